@@ -1,0 +1,54 @@
+"""Backend registry: each entry is a factory so optional dependencies load lazily."""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+from .base import Backend, ShardPlan
+
+# name -> (module, class); "auto" picks the first one that supports the device.
+_REGISTRY: dict[str, tuple[str, str]] = {
+    "reference": ("exactlogp.backends.reference", "ReferenceBackend"),
+}
+_AUTO_ORDER = ("reference",)
+_cache: dict[str, Backend] = {}
+
+
+def backend_names() -> tuple[str, ...]:
+    return tuple(_REGISTRY)
+
+
+def get_backend(name: str, device: torch.device) -> Backend:
+    """The backend called `name` (or the best for `device` when name == "auto")."""
+    if name == "auto":
+        for candidate in _AUTO_ORDER:
+            backend = _load(candidate)
+            if backend is not None and backend.supports(device):
+                return backend
+        raise RuntimeError(f"no exactlogp backend supports device {device}")
+    if name not in _REGISTRY:
+        raise ValueError(f"backend must be 'auto' or one of {backend_names()}, got {name!r}")
+    backend = _load(name)
+    if backend is None:
+        raise ValueError(f"backend={name!r} is not available: {_load_errors[name]}")
+    if not backend.supports(device):
+        raise ValueError(f"backend={name!r} does not support device {device}")
+    return backend
+
+
+_load_errors: dict[str, str] = {}
+
+
+def _load(name: str) -> Backend | None:
+    if name not in _cache and name not in _load_errors:
+        module, cls = _REGISTRY[name]
+        try:
+            _cache[name] = getattr(importlib.import_module(module), cls)()
+        except (ImportError, OSError, RuntimeError) as exc:
+            _load_errors[name] = f"{type(exc).__name__}: {exc}"
+    return _cache.get(name)
+
+
+__all__ = ["Backend", "ShardPlan", "backend_names", "get_backend"]

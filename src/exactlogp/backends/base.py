@@ -1,0 +1,44 @@
+"""What every backend implements: the three local passes of contract v1.
+
+A backend never calls a collective and never finalizes; it turns one shard of logits into
+the per-row max, the int64 row record and, in backward, the gradient shard. All of them
+must give the bits of `exactlogp.contract` for every input.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..contract import GradStats
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    vocab_start: int  # global id of local column 0
+    vocab_size: int | None  # columns >= vocab_size are padding; None: no padding
+    ignore_index: int
+    with_entropy: bool
+
+
+class Backend:
+    """Interface; `logits` is (N, V_local), `target` (N,) int64 with global ids,
+    `temperature` a float or an fp32 (N,) tensor, `keep_mask` None or (N, V_local) bool."""
+
+    name = "base"
+
+    def supports(self, device: torch.device) -> bool:
+        raise NotImplementedError
+
+    def row_max(self, logits, temperature, keep_mask, plan: ShardPlan) -> torch.Tensor:
+        """(N,) fp32: max of valid finite-or--inf y over this shard; -inf if none."""
+        raise NotImplementedError
+
+    def partials(self, logits, target, temperature, keep_mask, row_max, plan) -> torch.Tensor:
+        """(N, contract.NUM_COLS) int64: this shard's exact row record."""
+        raise NotImplementedError
+
+    def grad(self, logits, target, temperature, keep_mask, stats: GradStats, plan) -> torch.Tensor:
+        """(N, V_local) in logits.dtype: the gradient shard."""
+        raise NotImplementedError

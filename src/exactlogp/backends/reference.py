@@ -1,0 +1,77 @@
+"""The reference backend: contract.py applied block by block of rows.
+
+It defines the bits and runs on any device torch runs on. Rows are processed in blocks
+of about CHUNK_ELEMENTS logits, so its extra memory is a few hundred MiB at most
+whatever N is (each block holds a handful of fp64 / int64 temporaries).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import contract
+from ..contract import GradStats
+from .base import Backend, ShardPlan
+
+CHUNK_ELEMENTS = 1 << 21
+
+
+def _row_blocks(num_rows: int, num_cols: int):
+    step = max(1, CHUNK_ELEMENTS // max(num_cols, 1))
+    for start in range(0, num_rows, step):
+        yield slice(start, min(start + step, num_rows))
+
+
+def _block_inputs(logits, temperature, keep_mask, plan: ShardPlan, rows: slice):
+    tau = temperature[rows].unsqueeze(-1) if isinstance(temperature, torch.Tensor) else temperature
+    y = contract.scaled_logits(logits[rows], tau)
+    mask = None if keep_mask is None else keep_mask[rows]
+    valid = contract.valid_columns(
+        logits.shape[-1], plan.vocab_start, plan.vocab_size, mask, logits.device
+    )
+    return y, valid, mask, tau
+
+
+class ReferenceBackend(Backend):
+    name = "reference"
+
+    def supports(self, device: torch.device) -> bool:
+        return True
+
+    def row_max(self, logits, temperature, keep_mask, plan):
+        out = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
+        for rows in _row_blocks(*logits.shape):
+            y, valid, _, _ = _block_inputs(logits, temperature, keep_mask, plan, rows)
+            out[rows] = contract.masked_row_max(y, valid)
+        return out
+
+    def partials(self, logits, target, temperature, keep_mask, row_max, plan):
+        out = torch.empty(
+            logits.shape[0], contract.NUM_COLS, dtype=torch.int64, device=logits.device
+        )
+        for rows in _row_blocks(*logits.shape):
+            y, valid, mask, _ = _block_inputs(logits, temperature, keep_mask, plan, rows)
+            out[rows] = contract.local_partials(
+                y, valid, row_max[rows], target[rows], mask,
+                plan.vocab_start, plan.vocab_size, plan.ignore_index, plan.with_entropy,
+            )  # fmt: skip
+        return out
+
+    def grad(self, logits, target, temperature, keep_mask, stats: GradStats, plan):
+        out = torch.empty_like(logits, memory_format=torch.contiguous_format)
+        target_local = owned_target_columns(target, logits.shape[-1], plan)
+        for rows in _row_blocks(*logits.shape):
+            y, valid, _, tau = _block_inputs(logits, temperature, keep_mask, plan, rows)
+            out[rows] = contract.grad_block(
+                y, valid, stats.rows(rows), target_local[rows], tau, plan.with_entropy, logits.dtype
+            )
+        return out
+
+
+def owned_target_columns(target: torch.Tensor, num_cols: int, plan: ShardPlan) -> torch.Tensor:
+    """(N,) int64 local column of the target where this shard owns it, else -1."""
+    local = target - plan.vocab_start
+    owned = (target != plan.ignore_index) & (local >= 0) & (local < num_cols)
+    if plan.vocab_size is not None:
+        owned &= target < plan.vocab_size
+    return torch.where(owned, local, torch.full_like(local, -1))

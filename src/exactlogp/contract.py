@@ -1,0 +1,363 @@
+"""Contract exactlogp-v1: the numeric specification, written as plain torch.
+
+Every backend must reproduce these bits; this module is the definition. Stages:
+
+  1. y = fp32(x) / tau                       IEEE fp32 division (tau rounded to fp32)
+  2. M = max of valid y over the whole row    exact; one all_reduce(MAX) across ranks
+  3. e = exp_c(y - M) for y - M >= -64        binary64 + - * and exact 2^n scaling only
+  4. Q(e), Q(e * (M - y)): two int64 limbs    exact fixed point on a 2^-84 grid
+  5. int64 sums per row                       exact in any order
+  6. one all_reduce(SUM) of int64 [N, 8]      exact under any collective algorithm
+  7. finalize: S, log S, outputs in fp64      rounded once to fp32
+
+Each elementwise step is a single correctly rounded IEEE operation or exact, so the
+result does not depend on the order of anything: see docs/numerics.md.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+
+CONTRACT = "exactlogp-v1"
+
+# --- constants (docs/numerics.md pins and derives each one) ---
+
+MAX_VOCAB = 1 << 20  # keeps every int64 limb sum below 2^62
+CUTOFF = -64.0  # terms with y - M < CUTOFF quantize to 0 and are skipped
+MAGIC = float.fromhex("0x1.8p+52")  # (t + MAGIC) - MAGIC == rint_even(t) for |t| < 2^51
+FRAC_BITS = 42  # each limb carries 42 fraction bits: the grid is 2^-84
+LIMB_SCALE = float.fromhex("0x1p+42")
+LIMB_UNIT = float.fromhex("0x1p-42")
+LIMB2_UNIT = float.fromhex("0x1p-84")
+LIMB_MASK = (1 << FRAC_BITS) - 1
+
+# exp_c: k = rint(d * 32 / ln2), d = k ln2 / 32 + r, exp(d) = 2^(k >> 5) * T[k & 31] * P(r)
+INV_LN2_32 = float.fromhex("0x1.71547652b82fep+5")
+LN2_32_HI = float.fromhex("0x1.62e42fefa4000p-6")  # 39 significant bits: k * HI is exact
+LN2_32_LO = float.fromhex("-0x1.8432a1b0e2634p-48")
+EXP2_TABLE = tuple(
+    float.fromhex(h)
+    for h in (
+        "0x1.0000000000000p+0", "0x1.059b0d3158574p+0", "0x1.0b5586cf9890fp+0",
+        "0x1.11301d0125b51p+0", "0x1.172b83c7d517bp+0", "0x1.1d4873168b9aap+0",
+        "0x1.2387a6e756238p+0", "0x1.29e9df51fdee1p+0", "0x1.306fe0a31b715p+0",
+        "0x1.371a7373aa9cbp+0", "0x1.3dea64c123422p+0", "0x1.44e086061892dp+0",
+        "0x1.4bfdad5362a27p+0", "0x1.5342b569d4f82p+0", "0x1.5ab07dd485429p+0",
+        "0x1.6247eb03a5585p+0", "0x1.6a09e667f3bcdp+0", "0x1.71f75e8ec5f74p+0",
+        "0x1.7a11473eb0187p+0", "0x1.82589994cce13p+0", "0x1.8ace5422aa0dbp+0",
+        "0x1.93737b0cdc5e5p+0", "0x1.9c49182a3f090p+0", "0x1.a5503b23e255dp+0",
+        "0x1.ae89f995ad3adp+0", "0x1.b7f76f2fb5e47p+0", "0x1.c199bdd85529cp+0",
+        "0x1.cb720dcef9069p+0", "0x1.d5818dcfba487p+0", "0x1.dfc97337b9b5fp+0",
+        "0x1.ea4afa2a490dap+0", "0x1.f50765b6e4540p+0",
+    )
+)  # fmt: skip
+# Taylor coefficients 1/i!, i = 6 .. 0, each the correctly rounded binary64 value.
+EXP_POLY = tuple(1.0 / math.factorial(i) for i in range(6, -1, -1))
+
+# contract log: log S = k ln2 + 2 atanh(g / (2 + g)), g = m - 1, m in [sqrt(1/2), sqrt(2))
+LN2_HI = float.fromhex("0x1.62e42fefa3800p-1")  # k * LN2_HI is exact for |k| < 2^11
+LN2_LO = float.fromhex("0x1.ef35793c76730p-45")
+SQRT_HALF = float.fromhex("0x1.6a09e667f3bcdp-1")
+# 1/(2i+1) for i = 11 .. 1, correctly rounded.
+LOG_POLY = tuple(1.0 / (2 * i + 1) for i in range(11, 0, -1))
+
+# --- the int64 row record carried by the one all_reduce(SUM) ---
+
+COL_E_HI, COL_E_LO = 0, 1  # limb sums of e_j
+COL_W_HI, COL_W_LO = 2, 3  # limb sums of w_j = e_j * (M - y_j) (zero unless entropy)
+COL_TARGET_BITS = 4  # int32 bit pattern of y_target, from the owning rank only
+COL_OWNERS = 5  # number of ranks whose real columns hold the target
+COL_TARGET_MASKED = 6  # owners whose keep_mask drops the target column
+COL_NONFINITE = 7  # NaN / +inf among valid (real, kept) columns
+NUM_COLS = 8
+
+# --- per-row problems found by finalize (bit flags) ---
+
+BAD_TARGET_RANGE = 1
+BAD_TARGET_OWNER = 2
+BAD_TARGET_MASKED = 4
+BAD_NONFINITE = 8
+BAD_NO_VALID_COLUMN = 16
+BAD_TEMPERATURE = 32
+
+
+# --- 1. upcast and temperature ---
+
+
+def scaled_logits(x: torch.Tensor, temperature: float | torch.Tensor) -> torch.Tensor:
+    """y = fp32(x) / tau with IEEE fp32 division; tau is a float or an fp32 (n, 1) tensor."""
+    y = x.to(torch.float32)
+    if isinstance(temperature, torch.Tensor) or temperature != 1.0:
+        y = y / temperature  # a division by exactly 1.0 is the identity, so it is skipped
+    return y
+
+
+def valid_columns(
+    num_cols: int,
+    vocab_start: int,
+    vocab_size: int | None,
+    keep_mask: torch.Tensor | None,
+    device: torch.device,
+) -> torch.Tensor:
+    """(n, V_local) or (1, V_local) bool: real (not padding) and kept columns."""
+    cols = torch.arange(vocab_start, vocab_start + num_cols, device=device)
+    real = (
+        (cols < vocab_size) if vocab_size is not None else torch.ones_like(cols, dtype=torch.bool)
+    )
+    real = real.unsqueeze(0)
+    return real if keep_mask is None else real & keep_mask
+
+
+def masked_row_max(y: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Max over valid columns; NaN and +inf do not take part (they are counted instead)."""
+    ok = valid & (y != float("inf")) & ~torch.isnan(y)
+    neg_inf = torch.tensor(float("-inf"), dtype=y.dtype, device=y.device)
+    y = torch.where(ok, y, neg_inf)
+    if y.shape[-1] == 0:
+        return torch.full(y.shape[:-1], float("-inf"), dtype=y.dtype, device=y.device)
+    return y.amax(dim=-1)
+
+
+# --- 3. contract exponential ---
+
+
+def _pow2(n: torch.Tensor) -> torch.Tensor:
+    """2^n as binary64 for int64 n in the normal range, built from its bit pattern."""
+    return ((n + 1023) << 52).view(torch.float64)
+
+
+def exp_c(d: torch.Tensor) -> torch.Tensor:
+    """exp(d) for binary64 d in [CUTOFF, 0], from IEEE + - * and exact scaling only."""
+    t = d * INV_LN2_32
+    kd = (t + MAGIC) - MAGIC  # round half to even; |t| < 2^12
+    k = kd.to(torch.int64)
+    r = (d - kd * LN2_32_HI) - kd * LN2_32_LO  # Cody-Waite: |r| <= ln2/64 (+ tiny)
+    p = torch.full_like(r, EXP_POLY[0])
+    for c in EXP_POLY[1:]:
+        p = p * r + c  # Horner; torch never fuses this into an FMA
+    table = torch.tensor(EXP2_TABLE, dtype=torch.float64, device=d.device)
+    return (table[k & 31] * p) * _pow2(k >> 5)
+
+
+# --- 4. quantize ---
+
+
+def quantize(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """v in [0, 1] -> (hi, lo) int64 with hi*2^-42 + lo*2^-84 == rint_even(v * 2^84) * 2^-84."""
+    s = v * LIMB_SCALE  # exact
+    hi = s.to(torch.int64)  # truncation == floor, since s >= 0
+    rem = s - hi.to(torch.float64)  # exact
+    lo = ((rem * LIMB_SCALE + MAGIC) - MAGIC).to(torch.int64)  # rint_even, exact
+    return hi, lo
+
+
+# --- 3-5. the local pass over one block of rows ---
+
+
+def local_partials(
+    y: torch.Tensor,  # (n, V_local) fp32, already scaled
+    valid: torch.Tensor,  # (n or 1, V_local) bool
+    row_max: torch.Tensor,  # (n,) fp32, global
+    target: torch.Tensor,  # (n,) int64, global ids
+    keep_mask: torch.Tensor | None,  # (n, V_local) bool
+    vocab_start: int,
+    vocab_size: int | None,
+    ignore_index: int,
+    with_entropy: bool,
+) -> torch.Tensor:
+    """(n, NUM_COLS) int64: the exact per-row record of this shard."""
+    n, num_cols = y.shape
+    out = torch.zeros(n, NUM_COLS, dtype=torch.int64, device=y.device)
+
+    d = y.to(torch.float64) - row_max.to(torch.float64).unsqueeze(-1)
+    term = valid & (d >= CUTOFF) & (d <= 0.0)  # only finite y: NaN, +-inf fail a compare
+    dz = torch.where(term, d, torch.zeros_like(d))  # exp_c sees only [CUTOFF, 0]
+    e = torch.where(term, exp_c(dz), torch.zeros_like(d))
+    hi, lo = quantize(e)
+    out[:, COL_E_HI] = hi.sum(-1)
+    out[:, COL_E_LO] = lo.sum(-1)
+    if with_entropy:
+        hi, lo = quantize(e * (-dz))
+        out[:, COL_W_HI] = hi.sum(-1)
+        out[:, COL_W_LO] = lo.sum(-1)
+
+    nonfinite = valid & (torch.isnan(y) | (y == float("inf")))
+    out[:, COL_NONFINITE] = nonfinite.sum(-1)
+
+    local_t = target - vocab_start
+    owner = (target != ignore_index) & (local_t >= 0) & (local_t < num_cols)
+    if vocab_size is not None:
+        owner &= target < vocab_size
+    idx = torch.where(owner, local_t, torch.zeros_like(local_t)).unsqueeze(-1)
+    if num_cols > 0:
+        y_t = y.gather(-1, idx).squeeze(-1)
+        bits = y_t.view(torch.int32).to(torch.int64)
+        out[:, COL_TARGET_BITS] = torch.where(owner, bits, torch.zeros_like(bits))
+        if keep_mask is not None:
+            dropped = owner & ~keep_mask.gather(-1, idx).squeeze(-1)
+            out[:, COL_TARGET_MASKED] = dropped.to(torch.int64)
+    out[:, COL_OWNERS] = owner.to(torch.int64)
+    return out
+
+
+# --- 7. finalize ---
+
+
+def _two_sum(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    s = a + b
+    bb = s - a
+    return s, (a - (s - bb)) + (b - bb)
+
+
+def limbs_to_double_double(hi: torch.Tensor, lo: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """hi*2^-42 + lo*2^-84 (int64, >= 0) -> (vh, vl), vh = fl(value), vh + vl == value."""
+    hi = hi + (lo >> FRAC_BITS)  # carry: now lo < 2^42 and the value is unchanged
+    lo = lo & LIMB_MASK
+    a = hi.to(torch.float64)  # round to nearest even
+    r = hi - a.to(torch.int64)  # exact, |r| <= 2^9
+    t = r * (1 << FRAC_BITS) + lo  # exact, |t| < 2^53
+    return _two_sum(a * LIMB_UNIT, t.to(torch.float64) * LIMB2_UNIT)
+
+
+def log_c(sh: torch.Tensor, sl: torch.Tensor) -> torch.Tensor:
+    """log(sh + sl) for sh >= 1, |sl| <= ulp(sh)/2; relative error ~2^-52 even near S = 1."""
+    m, k = torch.frexp(sh)  # sh = m 2^k, m in [0.5, 1)
+    small = m < SQRT_HALF
+    m = torch.where(small, m * 2.0, m)
+    k = torch.where(small, k - 1, k).to(torch.float64)
+    g = m - 1.0  # exact (Sterbenz)
+    s = g / (2.0 + g)
+    s2 = s + s
+    z = s * s
+    poly = torch.full_like(z, LOG_POLY[0])
+    for c in LOG_POLY[1:]:
+        poly = poly * z + c
+    tail = k * LN2_LO + sl / sh  # log(1 + sl/sh) == sl/sh to 2^-105
+    return k * LN2_HI + (s2 + (s2 * (poly * z) + tail))
+
+
+class Finalized(NamedTuple):
+    logprobs: torch.Tensor  # (N,) fp32
+    entropy: torch.Tensor  # (N,) fp32 (zeros unless entropy was accumulated)
+    lse: torch.Tensor  # (N,) fp32
+    s_hi: torch.Tensor  # (N,) fp64, fl(S): backward's p_j = e_j / s_hi
+    log_s: torch.Tensor  # (N,) fp64
+    entropy64: torch.Tensor  # (N,) fp64, before rounding
+    bad: torch.Tensor  # (N,) int64 bit flags BAD_*, 0 for ignored rows
+    ignored: torch.Tensor  # (N,) bool
+
+
+def finalize(
+    row_max: torch.Tensor,  # (N,) fp32, global max
+    record: torch.Tensor,  # (N, NUM_COLS) int64, summed over all ranks
+    target: torch.Tensor,  # (N,) int64
+    vocab_size: int | None,
+    ignore_index: int,
+    bad_temperature: torch.Tensor | None,  # (N,) bool
+) -> Finalized:
+    ignored = target == ignore_index
+    owners = record[:, COL_OWNERS]
+    bad = torch.zeros_like(target)
+    out_of_range = target < 0
+    if vocab_size is not None:
+        out_of_range |= target >= vocab_size
+    bad |= torch.where(out_of_range, BAD_TARGET_RANGE, 0)
+    bad |= torch.where(~out_of_range & (owners != 1), BAD_TARGET_OWNER, 0)
+    bad |= torch.where(record[:, COL_TARGET_MASKED] != 0, BAD_TARGET_MASKED, 0)
+    bad |= torch.where(record[:, COL_NONFINITE] != 0, BAD_NONFINITE, 0)
+    bad |= torch.where(row_max == float("-inf"), BAD_NO_VALID_COLUMN, 0)
+    if bad_temperature is not None:
+        bad |= torch.where(bad_temperature, BAD_TEMPERATURE, 0)
+    bad = torch.where(ignored, 0, bad)
+
+    # Bad and ignored rows may have S = 0; give them S = 1 so log_c stays in its domain
+    # (their outputs are replaced below, their gradients are NaN or zero).
+    skip = (bad != 0) | ignored
+    e_hi = torch.where(skip, 1 << FRAC_BITS, record[:, COL_E_HI])
+    e_lo = torch.where(skip, 0, record[:, COL_E_LO])
+    sh, sl = limbs_to_double_double(e_hi, e_lo)
+    log_s = log_c(sh, sl)
+    wh, _ = limbs_to_double_double(record[:, COL_W_HI], record[:, COL_W_LO])
+
+    m64 = row_max.to(torch.float64)
+    y_t = record[:, COL_TARGET_BITS].to(torch.int32).view(torch.float32).to(torch.float64)
+    logprob64 = (y_t - m64) - log_s
+    lse64 = m64 + log_s
+    entropy64 = log_s + wh / sh
+
+    nan = torch.tensor(float("nan"), dtype=torch.float64, device=log_s.device)
+    zero = torch.zeros((), dtype=torch.float64, device=log_s.device)
+
+    def _finish(v: torch.Tensor) -> torch.Tensor:
+        v = torch.where(bad != 0, nan, v)
+        return torch.where(ignored, zero, v).to(torch.float32)
+
+    return Finalized(
+        logprobs=_finish(logprob64),
+        entropy=_finish(entropy64),
+        lse=_finish(lse64),
+        s_hi=sh,
+        log_s=log_s,
+        entropy64=entropy64,
+        bad=bad,
+        ignored=ignored,
+    )
+
+
+# --- backward: elementwise from the saved per-row statistics ---
+
+
+class GradStats(NamedTuple):
+    """Per-row statistics saved by forward and the upstream gradients, all (N,)."""
+
+    row_max: torch.Tensor  # fp32
+    s_hi: torch.Tensor  # fp64, fl(S)
+    log_s: torch.Tensor  # fp64
+    entropy64: torch.Tensor  # fp64
+    coef_a: torch.Tensor  # fp64, g_lse - g_logprob; 0 on ignored rows
+    coef_b: torch.Tensor  # fp64, g_entropy; 0 on ignored rows
+    coef_t: torch.Tensor  # fp64, g_logprob, added at the target column; 0 on ignored rows
+    row_nan: torch.Tensor  # bool, rows whose gradient is NaN in every column
+
+    def rows(self, index: slice) -> GradStats:
+        return GradStats(*(t[index] for t in self))
+
+
+def grad_block(
+    y: torch.Tensor,  # (n, V_local) fp32, scaled
+    valid: torch.Tensor,  # (n or 1, V_local) bool
+    stats: GradStats,  # (n,) each
+    target_local: torch.Tensor,  # (n,) int64: target - vocab_start, -1 where not owned here
+    temperature: float | torch.Tensor,  # float or (n, 1) fp32
+    with_entropy: bool,
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """d(outputs)/dx for one block of rows, in out_dtype (via fp32).
+
+    g_j = p_j * (a - b * (log p_j + H)) with p_j = e_j / fl(S), log p_j = d_j - log S
+    (g_j = p_j * a without entropy); g_t += g_logprob at the target; g /= tau;
+    +0 where there is no term; NaN in every column of a NaN row.
+    """
+    col = lambda v: v.unsqueeze(-1)  # noqa: E731
+    d = y.to(torch.float64) - col(stats.row_max.to(torch.float64))
+    term = valid & (d >= CUTOFF) & (d <= 0.0)
+    dz = torch.where(term, d, torch.zeros_like(d))
+    p = exp_c(dz) / col(stats.s_hi)
+    if with_entropy:
+        q = (dz - col(stats.log_s)) + col(stats.entropy64)
+        g = p * (col(stats.coef_a) - col(stats.coef_b) * q)
+    else:
+        g = p * col(stats.coef_a)
+    g = torch.where(term, g, torch.zeros_like(g))
+    cols = torch.arange(y.shape[-1], device=y.device)
+    is_t = cols.unsqueeze(0) == col(target_local)
+    g = torch.where(is_t, g + col(stats.coef_t), g)
+    if isinstance(temperature, torch.Tensor):
+        g = g / temperature.to(torch.float64)
+    elif temperature != 1.0:
+        g = g / temperature
+    g = torch.where(col(stats.row_nan), torch.full_like(g, float("nan")), g)
+    return g.to(torch.float32).to(out_dtype)

@@ -1,0 +1,314 @@
+"""Ground truth, case generators, shard simulation and gloo worlds, for tests and tools.
+
+- `fp64_reference`: the exact answer to within ~2^-45 relative, accurate near
+  logprob = 0 (log1p of the non-argmax terms; fp64 logsumexp is not).
+- `mpmath_row`: a single row at 60 significant digits.
+- `simulate_shards`: the four stages over an arbitrary split of the vocabulary in one
+  process, combining the partials exactly as the two collectives would.
+- `run_gloo_world`: a real torch.distributed world of processes on 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import random
+import socket
+import tempfile
+import traceback
+from typing import NamedTuple
+
+import torch
+
+from . import contract
+from .backends import ShardPlan, get_backend
+
+# --- case generators ---
+
+
+def llm_like_logits(
+    num_rows: int,
+    vocab: int,
+    dtype: torch.dtype = torch.bfloat16,
+    seed: int = 0,
+    device: str | torch.device = "cpu",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits shaped like an LM head's, and targets sampled from their softmax.
+
+    A Gaussian bulk (std 2.5) plus, per row, a few dominant logits 8..30 above it; the
+    targets are drawn from softmax(logits) as an RL rollout would draw them, so many are
+    near-certain tokens with logprob close to 0.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(num_rows, vocab, generator=gen) * 2.5
+    num_peaks = min(vocab, 4)
+    peaks = torch.randint(0, vocab, (num_rows, num_peaks), generator=gen)
+    lift = 8.0 + 22.0 * torch.rand(num_rows, num_peaks, generator=gen)
+    x.scatter_add_(1, peaks, lift)
+    x = x.to(dtype)
+    probs = torch.softmax(x.double(), dim=-1)
+    target = torch.multinomial(probs, 1, generator=gen).squeeze(-1)
+    return x.to(device), target.to(device)
+
+
+def python_random_logits(
+    num_rows: int, vocab: int, dtype: torch.dtype, seed: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs from Python's `random` alone, reproducible across torch versions (golden vectors)."""
+    rng = random.Random(seed)
+    rows, targets = [], []
+    for _ in range(num_rows):
+        row = [rng.gauss(0.0, 3.0) for _ in range(vocab)]
+        for _ in range(3):
+            row[rng.randrange(vocab)] += rng.uniform(5.0, 25.0)
+        rows.append(row)
+        targets.append(rng.randrange(vocab))
+    return torch.tensor(rows, dtype=torch.float64).to(dtype), torch.tensor(targets)
+
+
+# --- ground truth ---
+
+
+class Fp64Reference(NamedTuple):
+    logprobs: torch.Tensor  # (N,) fp64
+    entropy: torch.Tensor  # (N,) fp64
+    lse: torch.Tensor  # (N,) fp64
+    probs: torch.Tensor  # (N, V) fp64 softmax (0 at invalid columns)
+    scale: dict  # output name -> (N,) fp64: what its error bound scales with
+
+
+def scaled_full_logits(logits, temperature=1.0, keep_mask=None, vocab_size=None):
+    """(N, V) fp64 y with invalid columns at -inf, exactly as the contract's stage 1."""
+    tau = temperature
+    if isinstance(tau, torch.Tensor):
+        tau = tau.to(torch.float32).reshape(-1, 1)
+    y = contract.scaled_logits(logits, tau).to(torch.float64)
+    valid = contract.valid_columns(y.shape[-1], 0, vocab_size, keep_mask, y.device)
+    return torch.where(valid, y, float("-inf"))
+
+
+def fp64_reference(logits, target, temperature=1.0, keep_mask=None, vocab_size=None):
+    """Independent fp64 ground truth for full (unsharded) 2-D logits."""
+    y = scaled_full_logits(logits, temperature, keep_mask, vocab_size)
+    m, arg = y.max(dim=-1, keepdim=True)
+    d = y - m
+    e = torch.exp(d)
+    rest = e.scatter(-1, arg, 0.0).sum(-1)  # all terms but one copy of the max
+    log_s = torch.log1p(rest)
+    s = 1.0 + rest
+    w = torch.where(e > 0, e * (-d), 0.0).sum(-1)
+    d_t = d.gather(-1, target.clamp(0, y.shape[-1] - 1).unsqueeze(-1)).squeeze(-1)
+    logprobs, entropy, lse = d_t - log_s, log_s + w / s, m.squeeze(-1) + log_s
+    tail = w / s + rest / s
+    return Fp64Reference(
+        logprobs=logprobs,
+        entropy=entropy,
+        lse=lse,
+        probs=e / s.unsqueeze(-1),
+        scale={
+            "logprobs": logprobs.abs() + tail,
+            "entropy": entropy + tail,
+            "lse": m.squeeze(-1).abs() + log_s + tail,
+        },
+    )
+
+
+def mpmath_row(y_row, target: int, digits: int = 60) -> tuple[float, float, float]:
+    """(logprob, entropy, lse) of one fp64 row (-inf allowed) at `digits` digits."""
+    import mpmath
+
+    with mpmath.workdps(digits):
+        vals = [mpmath.mpf(float(v)) for v in y_row if float(v) != float("-inf")]
+        m = max(vals)
+        terms = [mpmath.exp(v - m) for v in vals]
+        s = mpmath.fsum(terms)
+        log_s = mpmath.log(s)
+        w = mpmath.fsum(t * (m - v) for t, v in zip(terms, vals, strict=False))
+        return (
+            float((mpmath.mpf(float(y_row[target])) - m) - log_s),
+            float(log_s + w / s),
+            float(m + log_s),
+        )
+
+
+def ulp32(x: torch.Tensor) -> torch.Tensor:
+    """Spacing of fp32 above |x| (fp64), the unit the accuracy bound is stated in."""
+    a = x.abs().to(torch.float32)
+    return (torch.nextafter(a, torch.tensor(float("inf"))) - a).to(torch.float64)
+
+
+def error_bound(scale: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Bound on |our fp64 value before rounding - the fp64 reference|, from `scale`.
+
+    docs/numerics.md derives ours, 2^-49 scale + vocab 2^-85; the reference's exp and
+    summation add at most 2^-45 scale for the row lengths tested. Anything beyond the
+    final rounding's 0.5 ulp is held to this.
+    """
+    return 2.0**-44 * scale + vocab * 2.0**-84
+
+
+# --- stage-by-stage simulation of a sharded run in one process ---
+
+
+def simulate_shards(
+    logits: torch.Tensor,  # (N, V_total) full rows, padding included
+    target: torch.Tensor,  # (N,)
+    boundaries: list[int],  # shard k holds columns [boundaries[k], boundaries[k+1])
+    *,
+    vocab_size: int | None = None,
+    temperature: float | torch.Tensor = 1.0,
+    keep_mask: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    with_entropy: bool = True,
+    backend: str = "reference",
+    row_order: list[torch.Tensor] | None = None,
+) -> contract.Finalized:
+    """Run local max / partials per shard, combine (MAX, int64 SUM), finalize.
+
+    `row_order`, if given, is one permutation of the rows per shard: each shard then
+    processes its rows in that order, as a differently batched rank would.
+    """
+    impl = get_backend(backend, logits.device)
+    n = logits.shape[0]
+    tau = temperature.to(torch.float32) if isinstance(temperature, torch.Tensor) else temperature
+    shards = list(zip(boundaries[:-1], boundaries[1:], strict=False))
+    orders = row_order or [torch.arange(n)] * len(shards)
+
+    def run(k, fn):
+        lo, hi = shards[k]
+        perm = orders[k]
+        inv = torch.argsort(perm)
+        part_tau = tau[perm] if isinstance(tau, torch.Tensor) else tau
+        mask = None if keep_mask is None else keep_mask[perm, lo:hi]
+        plan = ShardPlan(lo, vocab_size, ignore_index, with_entropy)
+        return fn(logits[perm, lo:hi], target[perm], part_tau, mask, plan, perm)[inv]
+
+    row_max = torch.full((n,), float("-inf"))
+    for k in range(len(shards)):
+        local = run(k, lambda x, t, tau_, m, p, perm: impl.row_max(x, tau_, m, p))
+        row_max = torch.maximum(row_max, local)  # the all_reduce(MAX)
+    record = torch.zeros(n, contract.NUM_COLS, dtype=torch.int64)
+    for k in range(len(shards)):
+        record += run(  # the all_reduce(SUM)
+            k, lambda x, t, tau_, m, p, perm: impl.partials(x, t, tau_, m, row_max[perm], p)
+        )
+    bad_tau = None
+    if isinstance(tau, torch.Tensor):
+        bad_tau = ~(torch.isfinite(tau) & (tau > 0))
+    return contract.finalize(row_max, record, target, vocab_size, ignore_index, bad_tau)
+
+
+# --- bitwise helpers ---
+
+
+def sha256(*tensors: torch.Tensor) -> str:
+    """SHA-256 over the raw bytes (and dtype and shape) of the tensors, in order."""
+    h = hashlib.sha256()
+    for t in tensors:
+        t = t.detach().contiguous().cpu()
+        h.update(f"{t.dtype}{tuple(t.shape)}".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def assert_bitwise_equal(actual: torch.Tensor, expected: torch.Tensor, what: str = "") -> None:
+    """torch.equal, treating NaN as equal to NaN only when the bit patterns match."""
+    if actual.dtype != expected.dtype or actual.shape != expected.shape:
+        raise AssertionError(
+            f"{what}: {actual.dtype}{tuple(actual.shape)} vs {expected.dtype}{tuple(expected.shape)}"
+        )
+    a, b = _bits(actual), _bits(expected)
+    if not torch.equal(a, b):
+        bad = torch.nonzero(a != b)
+        first = tuple(int(i) for i in bad[0])
+        raise AssertionError(
+            f"{what}: {len(bad)} element(s) differ in bits; first at {first}: "
+            f"{actual[first].item()!r} vs {expected[first].item()!r}"
+        )
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach().cpu().contiguous()
+    view = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[t.element_size()]
+    return t.view(view) if t.is_floating_point() else t
+
+
+# --- real process groups on this machine ---
+
+
+def run_gloo_world(world_size: int, fn, *args, timeout: float = 120.0) -> list:
+    """Run fn(rank, world_size, group, *args) in `world_size` fresh processes joined by a
+    gloo process group on 127.0.0.1; return the per-rank results (picklable values).
+
+    `fn` must be importable (a module-level function). Every process is ended before this
+    returns, including on error or timeout.
+    """
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = [
+            ctx.Process(
+                target=_world_worker,
+                args=(rank, world_size, port, tmp, fn, args, timeout),
+                daemon=True,
+            )
+            for rank in range(world_size)
+        ]
+        try:
+            for p in procs:
+                p.start()
+            for p in procs:
+                p.join(timeout)
+            if any(p.is_alive() for p in procs):
+                raise TimeoutError(f"gloo world of {world_size} did not finish in {timeout:.0f} s")
+            results = []
+            for rank in range(world_size):
+                path = os.path.join(tmp, f"rank{rank}.pt")
+                if not os.path.exists(path):
+                    raise RuntimeError(f"rank {rank} exited with code {procs[rank].exitcode}")
+                ok, value = torch.load(path, weights_only=False)
+                if not ok:
+                    raise RuntimeError(f"rank {rank} failed:\n{value}")
+                results.append(value)
+            return results
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+                p.join(5)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _world_worker(rank, world_size, port, tmp, fn, args, timeout):
+    import datetime
+
+    import torch.distributed as dist
+
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=timeout),
+        )
+        try:
+            result = (True, fn(rank, world_size, dist.group.WORLD, *args))
+        finally:
+            dist.destroy_process_group()
+    except Exception:
+        result = (False, traceback.format_exc())
+    buf = io.BytesIO()
+    torch.save(result, buf)
+    with open(os.path.join(tmp, f"rank{rank}.pt"), "wb") as f:
+        f.write(buf.getvalue())
