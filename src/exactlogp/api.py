@@ -87,11 +87,12 @@ def selected_logprobs(
         backend=impl,
         target_shape=shape,
     )
+    num_rows = target.numel()
     logprobs, entropy, lse = SelectedLogprobsFunction.apply(
-        vocab_parallel_logits.reshape(-1, num_cols),
+        vocab_parallel_logits.reshape(num_rows, num_cols),
         target.reshape(-1).to(torch.int64),
         tau if isinstance(tau, torch.Tensor) else None,
-        None if keep_mask is None else keep_mask.reshape(-1, num_cols),
+        None if keep_mask is None else keep_mask.reshape(num_rows, num_cols),
         tau if not isinstance(tau, torch.Tensor) else 1.0,
         opts,
     )

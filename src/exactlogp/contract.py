@@ -87,6 +87,11 @@ BAD_TEMPERATURE = 32
 # --- 1. upcast and temperature ---
 
 
+def fp32_temperature(tau: float) -> float:
+    """The scalar temperature the contract uses: tau rounded to fp32 (RNE)."""
+    return float(torch.tensor(float(tau), dtype=torch.float32))
+
+
 def scaled_logits(x: torch.Tensor, temperature: float | torch.Tensor) -> torch.Tensor:
     """y = fp32(x) / tau with IEEE fp32 division; tau is a float or an fp32 (n, 1) tensor."""
     y = x.to(torch.float32)
@@ -129,6 +134,15 @@ def _pow2(n: torch.Tensor) -> torch.Tensor:
     return ((n + 1023) << 52).view(torch.float64)
 
 
+_tables: dict[torch.device, torch.Tensor] = {}
+
+
+def _exp2_table(device: torch.device) -> torch.Tensor:
+    if device not in _tables:  # one host-to-device copy per device, not one per call
+        _tables[device] = torch.tensor(EXP2_TABLE, dtype=torch.float64, device=device)
+    return _tables[device]
+
+
 def exp_c(d: torch.Tensor) -> torch.Tensor:
     """exp(d) for binary64 d in [CUTOFF, 0], from IEEE + - * and exact scaling only."""
     t = d * INV_LN2_32
@@ -138,8 +152,7 @@ def exp_c(d: torch.Tensor) -> torch.Tensor:
     p = torch.full_like(r, EXP_POLY[0])
     for c in EXP_POLY[1:]:
         p = p * r + c  # Horner; torch never fuses this into an FMA
-    table = torch.tensor(EXP2_TABLE, dtype=torch.float64, device=d.device)
-    return (table[k & 31] * p) * _pow2(k >> 5)
+    return (_exp2_table(d.device)[k & 31] * p) * _pow2(k >> 5)
 
 
 # --- 4. quantize ---

@@ -80,9 +80,10 @@ class Fp64Reference(NamedTuple):
 
 def scaled_full_logits(logits, temperature=1.0, keep_mask=None, vocab_size=None):
     """(N, V) fp64 y with invalid columns at -inf, exactly as the contract's stage 1."""
-    tau = temperature
-    if isinstance(tau, torch.Tensor):
-        tau = tau.to(torch.float32).reshape(-1, 1)
+    if isinstance(temperature, torch.Tensor):
+        tau = temperature.to(torch.float32).reshape(-1, 1)
+    else:
+        tau = contract.fp32_temperature(temperature)
     y = contract.scaled_logits(logits, tau).to(torch.float64)
     valid = contract.valid_columns(y.shape[-1], 0, vocab_size, keep_mask, y.device)
     return torch.where(valid, y, float("-inf"))
@@ -171,7 +172,10 @@ def simulate_shards(
     """
     impl = get_backend(backend, logits.device)
     n = logits.shape[0]
-    tau = temperature.to(torch.float32) if isinstance(temperature, torch.Tensor) else temperature
+    if isinstance(temperature, torch.Tensor):
+        tau = temperature.to(torch.float32)
+    else:
+        tau = contract.fp32_temperature(temperature)
     shards = list(zip(boundaries[:-1], boundaries[1:], strict=False))
     orders = row_order or [torch.arange(n)] * len(shards)
 
@@ -312,3 +316,23 @@ def _world_worker(rank, world_size, port, tmp, fn, args, timeout):
     torch.save(result, buf)
     with open(os.path.join(tmp, f"rank{rank}.pt"), "wb") as f:
         f.write(buf.getvalue())
+
+
+def fp64_reference_grad(
+    ref: Fp64Reference,
+    target: torch.Tensor,
+    g_logprobs: torch.Tensor,
+    g_entropy: torch.Tensor,
+    g_lse: torch.Tensor,
+    temperature: float | torch.Tensor = 1.0,
+) -> torch.Tensor:
+    """(N, V) fp64 analytic d/dx of sum(g_lp*logprob + g_ent*entropy + g_lse*lse)."""
+    p = ref.probs
+    col = lambda v: v.to(torch.float64).unsqueeze(-1)  # noqa: E731
+    log_p = torch.where(p > 0, torch.log(p), 0.0)
+    onehot = torch.zeros_like(p).scatter(-1, target.unsqueeze(-1), 1.0)
+    g = col(g_logprobs) * (onehot - p) - col(g_entropy) * p * (log_p + col(ref.entropy))
+    g = g + col(g_lse) * p
+    # y = x / tau with tau rounded to fp32, so dy/dx = 1 / fp32(tau)
+    tau = torch.as_tensor(temperature).to(torch.float32).to(torch.float64)
+    return g / (col(tau) if tau.dim() else tau)

@@ -74,7 +74,7 @@ def check_temperature(temperature, target: torch.Tensor) -> float | torch.Tensor
         raise TypeError(
             f"temperature must be a float or a tensor, got {type(temperature).__name__}"
         )
-    tau = float(torch.tensor(float(temperature), dtype=torch.float32))
+    tau = contract.fp32_temperature(temperature)
     if not (math.isfinite(tau) and tau > 0.0):
         raise ValueError(
             f"temperature must be finite and > 0 in float32, got {temperature!r} (float32: {tau!r})"

@@ -13,7 +13,7 @@ from .. import contract
 from ..contract import GradStats
 from .base import Backend, ShardPlan
 
-CHUNK_ELEMENTS = 1 << 21
+CHUNK_ELEMENTS = 1 << 18
 
 
 def _row_blocks(num_rows: int, num_cols: int):

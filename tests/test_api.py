@@ -1,0 +1,240 @@
+"""Semantics of selected_logprobs and its clear errors for every bad input."""
+
+import math
+
+import pytest
+import torch
+
+import exactlogp
+from exactlogp import selected_logprobs
+from exactlogp.testing import assert_bitwise_equal, llm_like_logits
+
+
+@pytest.fixture
+def batch():
+    return llm_like_logits(6, 97, torch.float32, seed=11)
+
+
+def run(x, t, **kw):
+    return selected_logprobs(x, t, **kw)
+
+
+# --- semantics ---
+
+
+def test_result_type_shapes_and_contract(batch):
+    x, t = batch
+    res = run(x, t)
+    assert isinstance(res, exactlogp.LogprobResult)
+    assert res.entropy is None
+    assert res.logprobs.dtype == res.lse.dtype == torch.float32
+    assert res.logprobs.shape == res.lse.shape == t.shape
+    assert exactlogp.CONTRACT == "exactlogp-v1"
+    assert run(x, t, with_entropy=True).entropy.shape == t.shape
+
+
+def test_leading_dims_are_flattened_rows(batch):
+    x, t = batch
+    flat = run(x, t, with_entropy=True)
+    nested = run(x.view(2, 3, -1), t.view(2, 3), with_entropy=True)
+    for a, b in zip(nested, flat, strict=True):
+        assert_bitwise_equal(a.reshape(-1), b)
+
+
+def test_inputs_are_never_mutated(batch):
+    x, t = batch
+    x = x.to(torch.bfloat16).requires_grad_(True)
+    mask = torch.rand(x.shape) > 0.2
+    mask[torch.arange(6), t] = True
+    tau = torch.full(t.shape, 0.7)
+    before = [v.detach().clone() for v in (x, t, mask, tau)]
+    res = run(x, t, keep_mask=mask, temperature=tau, with_entropy=True)
+    (res.logprobs.sum() + res.entropy.sum() + res.lse.sum()).backward()
+    for v, b in zip((x, t, mask, tau), before, strict=True):
+        assert_bitwise_equal(v.detach(), b)
+
+
+def test_ignore_index_rows_are_zero_with_zero_gradient(batch):
+    x, t = batch
+    t = t.clone()
+    t[[1, 4]] = -100
+    x = x.clone().requires_grad_(True)
+    res = run(x, t, with_entropy=True)
+    (res.logprobs.sum() + res.entropy.sum() + 2 * res.lse.sum()).backward()
+    for out in res:
+        assert_bitwise_equal(out[[1, 4]], torch.zeros(2))
+    assert_bitwise_equal(x.grad[[1, 4]], torch.zeros(2, x.shape[1]))
+    assert (x.grad[[0, 2, 3, 5]] != 0).any()
+    other = t.clone()
+    other[[1, 4]] = 7
+    custom = run(x.detach(), other.masked_fill(t == -100, 5), ignore_index=5)
+    assert_bitwise_equal(custom.logprobs[[0, 2, 3, 5]], res.logprobs[[0, 2, 3, 5]])
+
+
+def test_keep_mask_equals_dropping_the_columns(batch):
+    x, t = batch
+    keep = torch.ones(x.shape[1], dtype=torch.bool)
+    keep[::3] = False
+    keep[t] = True
+    compact_t = torch.cumsum(keep, 0)[t] - 1
+    masked = run(x, t, keep_mask=keep.expand_as(x).clone(), with_entropy=True)
+    compact = run(x[:, keep].contiguous(), compact_t, with_entropy=True)
+    for a, b in zip(masked, compact, strict=True):
+        assert_bitwise_equal(a, b)
+
+
+def test_padding_columns_never_take_part(batch):
+    x, t = batch
+    garbage = torch.tensor([float("nan"), float("inf"), 1e30, -1e30, 88.0])
+    padded = torch.cat([x, garbage.expand(x.shape[0], -1)], dim=1)
+    a = run(padded, t, vocab_size=x.shape[1], with_entropy=True)
+    b = run(x, t, with_entropy=True)
+    for u, v in zip(a, b, strict=True):
+        assert_bitwise_equal(u, v)
+
+
+def test_temperature_is_fp32_division_and_per_row_equals_rows_alone(batch):
+    x, t = batch
+    x = x.to(torch.bfloat16)
+    tau = 0.7
+    a = run(x, t, temperature=tau)
+    b = run(x.float() / torch.tensor(tau, dtype=torch.float32), t)
+    assert_bitwise_equal(a.logprobs, b.logprobs)
+    taus = torch.tensor([0.3, 0.5, 0.7, 1.0, 1.3, 2.0])
+    per_row = run(x, t, temperature=taus, with_entropy=True)
+    for i in range(6):
+        alone = run(x[i : i + 1], t[i : i + 1], temperature=float(taus[i]), with_entropy=True)
+        for u, v in zip(per_row, alone, strict=True):
+            assert_bitwise_equal(u[i : i + 1], v)
+
+
+def test_minus_inf_logits_are_valid_and_excluded(batch):
+    x, t = batch
+    x = x.clone()
+    x[:, 0] = float("-inf")
+    t = t.clone()
+    t[0] = 0  # a target at -inf has probability 0
+    res = run(x, t)
+    assert res.logprobs[0] == float("-inf")
+    assert torch.isfinite(res.logprobs[1:]).all()
+
+
+def test_module_form_matches_the_function(batch):
+    x, t = batch
+    module = exactlogp.SelectedLogprobs(with_entropy=True, temperature=0.9)
+    for a, b in zip(module(x, t), run(x, t, with_entropy=True, temperature=0.9), strict=True):
+        assert_bitwise_equal(a, b)
+
+
+def test_empty_batch():
+    res = run(torch.zeros(0, 10), torch.zeros(0, dtype=torch.long), with_entropy=True)
+    assert res.logprobs.shape == res.entropy.shape == (0,)
+
+
+# --- validate=False: NaN in the bad row only ---
+
+
+def test_bad_rows_give_nan_only_there_without_validation(batch):
+    x, t = batch
+    x, t = x.clone(), t.clone()
+    x[1, 5] = float("nan")
+    x[2, :] = float("-inf")
+    t[3] = 1000  # out of range
+    x[4, 9] = float("inf")
+    tau = torch.tensor([1.0, 1.0, 1.0, 1.0, 1.0, -2.0])
+    x = x.requires_grad_(True)
+    res = run(x, t, validate=False, with_entropy=True, temperature=tau)
+    bad = [1, 2, 3, 4, 5]
+    for out in res:
+        assert torch.isnan(out[bad]).all()
+    clean = run(x.detach()[:1], t[:1], with_entropy=True)
+    for u, v in zip(res, clean, strict=True):
+        assert_bitwise_equal(u[:1], v)
+    res.logprobs[0].backward()
+    assert torch.isfinite(x.grad[0]).all()
+    assert torch.isnan(x.grad[bad]).all()
+
+
+# --- clear errors ---
+
+
+def _raises(exc, match, x, t, **kw):
+    with pytest.raises(exc, match=match):
+        run(x, t, **kw)
+
+
+def test_argument_type_errors(batch):
+    x, t = batch
+    _raises(TypeError, "vocab_parallel_logits must be a torch.Tensor", x.tolist(), t)
+    _raises(TypeError, "bfloat16, float16 or float32, got torch.float64", x.double(), t)
+    _raises(TypeError, "integer token ids, got dtype torch.float32", x, t.float())
+    _raises(TypeError, "integer token ids, got dtype torch.bool", x, t > 3)
+    _raises(TypeError, "keep_mask must be a bool tensor, got torch.int64", x, t, keep_mask=t)
+    _raises(TypeError, "temperature must be a float or a tensor, got str", x, t, temperature="1")
+    _raises(TypeError, "temperature tensor must be floating point", x, t, temperature=t)
+    _raises(TypeError, "with_entropy must be a bool", x, t, with_entropy=1)
+    _raises(TypeError, "vocab_size must be an int or None, got float", x, t, vocab_size=97.0)
+    _raises(TypeError, "target must be a torch.Tensor, got list", x, t.tolist())
+
+
+def test_argument_value_errors(batch):
+    x, t = batch
+    _raises(ValueError, r"target shape \(5,\) must equal .* \(6,\)", x, t[:5])
+    _raises(ValueError, r"keep_mask shape \(6, 96\)", x, t, keep_mask=torch.ones(6, 96, dtype=bool))
+    _raises(ValueError, r"temperature tensor shape \(3,\)", x, t, temperature=torch.ones(3))
+    for tau in (0.0, -1.0, math.nan, math.inf, 1e-50, 1e40):
+        _raises(ValueError, "temperature must be finite and > 0 in float32", x, t, temperature=tau)
+    _raises(ValueError, r"vocab_size must be <= 1048576, got 1048577", x, t, vocab_size=2**20 + 1)
+    _raises(ValueError, r"vocab_size must be >= 1, got 0", x, t, vocab_size=0)
+    _raises(ValueError, r"vocab_start must be >= 0, got -1", x, t, vocab_start=-1)
+    _raises(ValueError, r"ends at column 1048673 > 2\^20", x, t, vocab_start=2**20)
+    _raises(ValueError, "backend must be 'auto' or one of", x, t, backend="cuda-magic")
+    _raises(ValueError, "target is on meta but must be on cpu", x, t.to("meta"))
+
+
+def test_data_errors_name_the_row_and_value(batch):
+    x, t = batch
+    bad_t = t.clone()
+    bad_t[2] = 97
+    _raises(
+        ValueError, r"target\[2\] = 97 is outside \[0, vocab_size=97\)", x, bad_t, vocab_size=97
+    )
+    bad_t[2] = -3
+    _raises(ValueError, r"target\[2\] = -3 is outside", x, bad_t)
+    _raises(ValueError, r"target\[0\] = \d+ is held by 0 of 1 vocab shards", x, t, vocab_start=200)
+    mask = torch.ones_like(x, dtype=torch.bool)
+    mask[4, t[4]] = False
+    _raises(
+        ValueError,
+        rf"target\[4\] = {int(t[4])} is a column that keep_mask drops",
+        x,
+        t,
+        keep_mask=mask,
+    )
+    y = x.clone()
+    y[3, 7] = float("nan")
+    y[3, 8] = float("inf")
+    _raises(ValueError, r"row\[3\] has 2 NaN or \+inf", y, t)
+    y = x.clone()
+    y[5] = float("-inf")
+    _raises(ValueError, r"row\[5\] has no valid column", y, t)
+    tau = torch.ones(6)
+    tau[1] = 0.0
+    _raises(ValueError, r"temperature\[1\] = 0.0 must be finite and > 0", x, t, temperature=tau)
+    y = x.view(2, 3, -1).clone()
+    y[1, 2, 0] = float("nan")
+    y[1, 1, 0] = float("nan")
+    _raises(ValueError, r"row\[1, 1\] .* \(1 more bad row\)", y, t.view(2, 3))
+
+
+def test_temperature_overflow_to_inf_is_reported(batch):
+    x, t = batch
+    y = x.clone()
+    y[0, 0] = 3e38
+    _raises(
+        ValueError,
+        r"row\[0\] has 1 NaN or \+inf value\(s\) \(after the temperature\)",
+        y,
+        t,
+        temperature=0.5,
+    )

@@ -1,0 +1,158 @@
+"""Real torch.distributed worlds (gloo on 127.0.0.1): every TP layout gives the TP=1 bits.
+
+One world per size (1, 2, 3, 4, 8 ranks); each world runs every layout, so process start-up
+is paid once per size. Each rank also logs every collective it issues.
+"""
+
+import pytest
+import torch
+
+from exactlogp import selected_logprobs
+from exactlogp.testing import assert_bitwise_equal, llm_like_logits, run_gloo_world
+
+VOCAB = 507  # odd, so even splits need padding and uneven splits are natural
+ROWS = 6
+
+
+def make_layouts(world: int):
+    """name -> (per-rank [start, end) column ranges, vocab_size or None, padded width)."""
+    padded = -(-VOCAB // world) * world + (world if world > 1 else 3)  # Megatron-like padding
+    per = padded // world
+    even = [(r * per, (r + 1) * per) for r in range(world)]
+    gen = torch.Generator().manual_seed(world)
+    cuts = sorted(torch.randint(0, VOCAB + 1, (world - 1,), generator=gen).tolist())
+    if world >= 3:
+        cuts[0], cuts[1] = 0, 1  # an empty shard and a shard of width 1
+    bounds = [0, *cuts, VOCAB]
+    uneven = [(bounds[r], bounds[r + 1]) for r in range(world)]
+    return {"even": (even, VOCAB, padded), "uneven": (uneven, None, VOCAB)}
+
+
+def make_inputs():
+    x, t = llm_like_logits(ROWS, VOCAB, torch.bfloat16, seed=21)
+    t[2] = -100
+    gen = torch.Generator().manual_seed(22)
+    mask = torch.rand(ROWS, VOCAB, generator=gen) > 0.25
+    mask[torch.arange(ROWS), t.clamp(min=0)] = True
+    tau = 0.5 + torch.rand(ROWS, generator=gen)
+    return x, t, mask, tau
+
+
+def pad(x, width, value=float("nan")):
+    extra = torch.full((x.shape[0], width - x.shape[1]), value, dtype=x.dtype)
+    return torch.cat([x, extra], dim=1)
+
+
+def forward_backward(x, t, **kw):
+    x = x.clone().requires_grad_(True)
+    res = selected_logprobs(x, t, with_entropy=True, **kw)
+    (res.logprobs.sum() + 0.5 * res.entropy.sum() - 0.25 * res.lse.sum()).backward()
+    return res.logprobs, res.entropy, res.lse, x.grad
+
+
+def world_worker(rank, world, group, layouts, inputs):
+    x, t, mask, tau = inputs
+    out = {}
+    for name, (ranges, vocab_size, padded) in layouts.items():
+        lo, hi = ranges[rank]
+        shard, shard_mask = pad(x, padded)[:, lo:hi], pad(mask, padded, False)[:, lo:hi]
+        start = None if name == "even" else lo  # "even" relies on the default rank * V_local
+        variants = {"plain": {}, "masked": dict(keep_mask=shard_mask, temperature=tau)}
+        for variant, kw in variants.items():
+            out[name, variant] = forward_backward(
+                shard, t, tp_group=group, vocab_start=start, vocab_size=vocab_size, **kw
+            )
+    # a NaN in one rank's shard poisons that row only, on every rank
+    lo, hi = layouts["uneven"][0][rank]
+    shard = x[:, lo:hi].clone()
+    if lo <= 100 < hi:
+        shard[4, 100 - lo] = float("nan")
+    out["nan_row"] = selected_logprobs(
+        shard, t, tp_group=group, vocab_start=lo, validate=False
+    ).logprobs
+    return out
+
+
+@pytest.fixture(scope="module")
+def expected():
+    x, t, mask, tau = make_inputs()
+    return {
+        "plain": forward_backward(x, t),
+        "masked": forward_backward(x, t, keep_mask=mask, temperature=tau),
+    }
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 8])
+def test_every_tp_layout_gives_the_tp1_bits(world, expected):
+    layouts = make_layouts(world)
+    inputs = make_inputs()
+    results = run_gloo_world(world, world_worker, layouts, inputs, timeout=240)
+    for rank, out in enumerate(results):
+        layout_results = {k: v for k, v in out.items() if isinstance(k, tuple)}
+        assert len(layout_results) == 4
+        for (name, variant), (lp, ent, lse, grad) in layout_results.items():
+            exp = expected[variant]
+            what = f"world {world} rank {rank} {name}/{variant}"
+            assert_bitwise_equal(lp, exp[0], what + " logprobs")
+            assert_bitwise_equal(ent, exp[1], what + " entropy")
+            assert_bitwise_equal(lse, exp[2], what + " lse")
+            lo, hi = layouts[name][0][rank]
+            full_grad = pad(exp[3], layouts[name][2], 0.0)
+            assert_bitwise_equal(grad, full_grad[:, lo:hi], what + " gradient shard")
+        nan_row = out["nan_row"]
+        assert torch.isnan(nan_row[4])
+        keep = [0, 1, 2, 3, 5]
+        assert_bitwise_equal(nan_row[keep], expected["plain"][0][keep], f"rank {rank} other rows")
+
+
+def collectives_worker(rank, world, group, inputs):
+    import torch.distributed as dist
+
+    calls = []
+    real = dist.all_reduce
+
+    def logged(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        calls.append((str(op), str(tensor.dtype), tuple(tensor.shape)))
+        return real(tensor, op=op, group=group, async_op=async_op)
+
+    dist.all_reduce = logged
+    x, t, mask, tau = inputs
+    per = -(-VOCAB // world)
+    xs = pad(x, per * world)[:, rank * per : (rank + 1) * per].clone().requires_grad_(True)
+    res = selected_logprobs(xs, t, tp_group=group, vocab_size=VOCAB, with_entropy=True)
+    forward_calls = list(calls)
+    (res.logprobs.sum() + res.entropy.sum() + res.lse.sum()).backward()
+    return forward_calls, calls[len(forward_calls) :]
+
+
+def test_two_exact_collectives_per_forward_none_in_backward():
+    results = run_gloo_world(2, collectives_worker, make_inputs(), timeout=120)
+    for forward_calls, backward_calls in results:
+        assert [c[:2] for c in forward_calls] == [
+            ("RedOpType.MAX", "torch.float32"),
+            ("RedOpType.SUM", "torch.int64"),
+        ]
+        assert forward_calls[1][2] == (ROWS, 8)
+        assert backward_calls == []
+
+
+def bad_layout_worker(rank, world, group, inputs):
+    x, t, _, _ = inputs
+    t = t.clone()
+    t[1] = 250
+    messages = []
+    for ranges in ([(0, 300), (200, VOCAB)], [(0, 200), (300, VOCAB)]):
+        lo, hi = ranges[rank]
+        try:
+            selected_logprobs(x[:, lo:hi], t, tp_group=group, vocab_start=lo)
+            messages.append(None)
+        except ValueError as exc:
+            messages.append(str(exc))
+    return messages
+
+
+def test_overlapping_or_gapped_shards_raise_on_every_rank():
+    results = run_gloo_world(2, bad_layout_worker, make_inputs(), timeout=120)
+    for overlap, gap in results:
+        assert overlap.startswith("target[1] = 250 is held by 2 of 2 vocab shards")
+        assert gap.startswith("target[1] = 250 is held by 0 of 2 vocab shards")
