@@ -95,9 +95,13 @@ def fp32_temperature(tau: float) -> float:
 def scaled_logits(x: torch.Tensor, temperature: float | torch.Tensor) -> torch.Tensor:
     """y = fp32(x) / tau with IEEE fp32 division; tau is a float or an fp32 (n, 1) tensor."""
     y = x.to(torch.float32)
-    if isinstance(temperature, torch.Tensor) or temperature != 1.0:
-        y = y / temperature  # a division by exactly 1.0 is the identity, so it is skipped
-    return y
+    if not isinstance(temperature, torch.Tensor):
+        if temperature == 1.0:
+            return y  # a division by exactly 1.0 is the identity
+        # a device tensor, not a Python scalar: CUDA turns `tensor / scalar` into a
+        # multiplication by the reciprocal, which is not the IEEE division
+        temperature = torch.full((), temperature, dtype=torch.float32, device=y.device)
+    return y / temperature
 
 
 def valid_columns(
@@ -370,7 +374,7 @@ def grad_block(
     g = torch.where(is_t, g + col(stats.coef_t), g)
     if isinstance(temperature, torch.Tensor):
         g = g / temperature.to(torch.float64)
-    elif temperature != 1.0:
-        g = g / temperature
+    elif temperature != 1.0:  # a device tensor: see scaled_logits
+        g = g / torch.full((), temperature, dtype=torch.float64, device=g.device)
     g = torch.where(col(stats.row_nan), torch.full_like(g, float("nan")), g)
     return g.to(torch.float32).to(out_dtype)
