@@ -9,8 +9,6 @@ from __future__ import annotations
 import sys
 import types
 
-import torch
-
 
 class FakeGroup:
     """An opaque process-group object, as Megatron's parallel state hands out."""
@@ -106,7 +104,3 @@ def install_vllm_sampler(monkeypatch, sampler_cls) -> types.ModuleType:
     for name in ("vllm", "vllm.v1", "vllm.v1.sample"):
         _module(monkeypatch, name)
     return _module(monkeypatch, "vllm.v1.sample.sampler", Sampler=sampler_cls)
-
-
-def fp64_log_softmax(logits: torch.Tensor) -> torch.Tensor:
-    return torch.log_softmax(logits.to(torch.float64), dim=-1)
