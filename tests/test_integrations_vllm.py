@@ -273,10 +273,12 @@ def test_patched_sampler_reports_exact_logprobs(monkeypatch, batch, mode, dtype)
         expected = vllm.rollout_logprobs(
             pristine, sampled, temperature=md.temperature, top_k=md.top_k, top_p=md.top_p
         ).logprobs
-    assert_bitwise_equal(out.logprobs_tensors.logprobs[:, 0], expected, f"{mode} column 0")
-    assert torch.equal(
-        out.logprobs_tensors.logprobs[:, 1:], theirs.logprobs_tensors.logprobs[:, 1:]
-    )
+    values, ids = out.logprobs_tensors.logprobs, out.logprobs_tensors.logprob_token_ids
+    assert_bitwise_equal(values[:, 0], expected, f"{mode} column 0")
+    same = ids.long() == sampled[:, None]
+    assert bool(same[:, 1:].any())  # the sampled token is also among the top-k somewhere
+    assert_bitwise_equal(values[same], expected[:, None].expand_as(values)[same], "repeats")
+    assert torch.equal(values[~same], theirs.logprobs_tensors.logprobs[~same])  # the others
     torch.testing.assert_close(
         out.logprobs_tensors.logprobs[:, 0],
         theirs.logprobs_tensors.logprobs[:, 0],

@@ -141,9 +141,9 @@ def patch_vllm_sampler() -> _patching.PatchHandle:
 
     vLLM puts the sampled token's logprob in column 0 of
     `SamplerOutput.logprobs_tensors.logprobs`; the patched `Sampler.forward` overwrites
-    that column when a batch asks for logprobs (`max_num_logprobs` >= 0) under the
-    sampler's "raw_logprobs" or "processed_logprobs" mode. The top-k alternatives in the
-    other columns stay vLLM's. "processed_logprobs" reproduces temperature, top-k and
+    it (and any top-k column holding the same token) when a batch asks for logprobs
+    (`max_num_logprobs` >= 0) under the sampler's "raw_logprobs" or "processed_logprobs"
+    mode. The other tokens' top-k values stay vLLM's. "processed_logprobs" reproduces temperature, top-k and
     top-p; a batch that also uses penalties, bad words or an allowed-token mask raises,
     and min-p, logit-bias or custom logits processors must be off.
 
@@ -193,8 +193,11 @@ def _exact_forward(original):
         output = original(self, logits, sampling_metadata, *args, **kwargs)
         sampled = output.sampled_token_ids[:, 0].to(torch.int64)
         exact = sampled_logprobs(kept, sampled, sampling_metadata, mode)
-        column = output.logprobs_tensors.logprobs
-        column[:, 0] = exact.to(column.dtype)
+        tensors = output.logprobs_tensors
+        # Column 0 holds the sampled token; it may appear again among the top-k columns.
+        same = tensors.logprob_token_ids.to(torch.int64) == sampled.unsqueeze(-1)
+        values = tensors.logprobs
+        values.copy_(torch.where(same, exact.to(values.dtype).unsqueeze(-1), values))
         return output
 
     return forward
