@@ -1,0 +1,181 @@
+"""megatron-core drop-in: `vocab_parallel_cross_entropy` computed by exactlogp.
+
+Same signature and return as `megatron.core.tensor_parallel.vocab_parallel_cross_entropy`:
+the per-token loss -log softmax(logits)[target] (fp32, shaped like target), with the
+vocabulary split over Megatron's tensor-model-parallel group in Megatron's layout (rank r
+holds columns [r * V_local, (r + 1) * V_local)). Unlike Megatron's, the loss has the same
+bits for every TP degree and is correctly rounded; the gradient is softmax - one_hot.
+
+Differences, all deliberate: `target == ignore_index` (-100) gives loss 0 and gradient 0;
+an out-of-range target raises instead of giving log-sum-exp; `label_smoothing != 0` raises
+(its mean over the vocabulary is not part of contract exactlogp-v1); the input is never
+modified in place. `vocab_size` (keyword only) leaves Megatron's padding columns out;
+Megatron itself includes them.
+
+`patch_megatron()` swaps the function into megatron-core where its models call it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import numbers
+
+import torch
+
+from ..api import selected_logprobs
+from . import _patching
+
+PATCH_KEY = "patch_megatron"
+MAKE_VOCAB_SIZE_DIVISIBLE_BY = 128  # Megatron-LM's default --make-vocab-size-divisible-by
+
+
+def megatron_padded_vocab_size(
+    vocab_size: int, tp_size: int, divisible_by: int = MAKE_VOCAB_SIZE_DIVISIBLE_BY
+) -> int:
+    """The LM-head width Megatron uses: vocab_size rounded up to divisible_by * tp_size."""
+    multiple = divisible_by * tp_size
+    return -(-vocab_size // multiple) * multiple
+
+
+def vocab_parallel_cross_entropy(
+    vocab_parallel_logits: torch.Tensor,
+    target: torch.Tensor,
+    label_smoothing: float = 0.0,
+    tp_group=None,
+    *,
+    vocab_size: int | None = None,
+) -> torch.Tensor:
+    """Per-token cross-entropy loss from vocab-parallel logits (Megatron's signature).
+
+    Args:
+        vocab_parallel_logits: [s, b, V_local] (any leading shape) this rank's columns.
+        target: [s, b] global token ids.
+        label_smoothing: must be 0.0.
+        tp_group: the process group the vocabulary is split over; None means Megatron's
+            tensor-model-parallel group from `megatron.core.parallel_state`.
+        vocab_size: the real vocabulary; columns >= vocab_size (Megatron's padding) are
+            left out. None keeps every column, as Megatron does.
+    """
+    _check_label_smoothing(label_smoothing)
+    group, vocab_start = resolve_tp_group(tp_group, vocab_parallel_logits)
+    result = selected_logprobs(
+        vocab_parallel_logits,
+        target,
+        tp_group=group,
+        vocab_start=vocab_start,
+        vocab_size=vocab_size,
+    )
+    return -result.logprobs  # negation is exact: loss and logprob carry the same bits
+
+
+def fused_vocab_parallel_cross_entropy(
+    vocab_parallel_logits: torch.Tensor, target: torch.Tensor, tp_group
+) -> torch.Tensor:
+    """The signature of megatron-core's `fused_vocab_parallel_cross_entropy`."""
+    return vocab_parallel_cross_entropy(vocab_parallel_logits, target, 0.0, tp_group)
+
+
+def resolve_tp_group(tp_group, vocab_parallel_logits: torch.Tensor):
+    """(group, vocab_start) to pass to `selected_logprobs` for Megatron-layout shards.
+
+    An explicit group keeps the default layout (rank * V_local). None reads Megatron's
+    parallel state and its vocabulary-range rule; a tensor-parallel world of one needs no
+    group at all (the shard is the whole vocabulary).
+    """
+    if tp_group is not None:
+        return tp_group, None
+    state = _import("megatron.core.parallel_state")
+    group = state.get_tensor_model_parallel_group(check_initialized=False)
+    if group is None:
+        raise RuntimeError(
+            "tp_group=None means Megatron's tensor-model-parallel group, which is not "
+            "initialized: call megatron.core.parallel_state.initialize_model_parallel() "
+            "first or pass tp_group"
+        )
+    rank = state.get_tensor_model_parallel_rank()
+    world_size = state.get_tensor_model_parallel_world_size()
+    utils = _import("megatron.core.tensor_parallel.utils")
+    num_cols = vocab_parallel_logits.shape[-1] if vocab_parallel_logits.dim() else 0
+    start, _ = utils.VocabUtility.vocab_range_from_per_partition_vocab_size(
+        num_cols, rank, world_size
+    )
+    if world_size == 1:
+        return None, start
+    return group, start
+
+
+def patch_megatron(*, vocab_size: int | None = None) -> _patching.PatchHandle:
+    """Make megatron-core's models compute their cross-entropy with exactlogp.
+
+    Replaces, in megatron-core 0.16:
+    `megatron.core.tensor_parallel.cross_entropy.vocab_parallel_cross_entropy`, its
+    re-export `megatron.core.tensor_parallel.vocab_parallel_cross_entropy` (what
+    `LanguageModule.compute_language_model_loss` and verl call), and the native fused
+    variant in `megatron.core.fusions.fused_cross_entropy` plus its by-name import in
+    `megatron.core.models.common.language_module.language_module`. Transformer Engine's
+    cross-entropy (`cross_entropy_fusion_impl="te"`) is not replaced.
+
+    Opt-in and idempotent (a second call returns the live handle); undo with
+    `unpatch_megatron()` or `handle.undo()`. Raises ImportError / AttributeError naming the
+    symbol if this megatron-core version moved it, and then changes nothing.
+    """
+    if vocab_size is None:
+        plain, fused = vocab_parallel_cross_entropy, fused_vocab_parallel_cross_entropy
+    else:
+        plain, fused = _bind_vocab_size(vocab_size)
+    sites = [
+        _patching.Site("megatron.core.tensor_parallel.cross_entropy", "vocab_parallel_cross_entropy", plain),
+        _patching.Site("megatron.core.tensor_parallel", "vocab_parallel_cross_entropy", plain),
+        _patching.Site("megatron.core.fusions.fused_cross_entropy", "fused_vocab_parallel_cross_entropy", fused),
+        _patching.Site(
+            "megatron.core.models.common.language_module.language_module",
+            "fused_vocab_parallel_cross_entropy",
+            fused,
+        ),
+    ]  # fmt: skip
+    return _patching.apply(PATCH_KEY, sites, {"vocab_size": vocab_size})
+
+
+def unpatch_megatron() -> bool:
+    """Restore megatron-core's own functions; False if `patch_megatron` was not applied."""
+    return _patching.undo(PATCH_KEY)
+
+
+def _bind_vocab_size(vocab_size: int):
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, numbers.Integral):
+        raise TypeError(f"vocab_size must be an int or None, got {type(vocab_size).__name__}")
+
+    def plain(vocab_parallel_logits, target, label_smoothing=0.0, tp_group=None):
+        return vocab_parallel_cross_entropy(
+            vocab_parallel_logits, target, label_smoothing, tp_group, vocab_size=vocab_size
+        )
+
+    def fused(vocab_parallel_logits, target, tp_group):
+        return vocab_parallel_cross_entropy(
+            vocab_parallel_logits, target, 0.0, tp_group, vocab_size=vocab_size
+        )
+
+    plain.__doc__ = vocab_parallel_cross_entropy.__doc__
+    fused.__doc__ = fused_vocab_parallel_cross_entropy.__doc__
+    return plain, fused
+
+
+def _check_label_smoothing(label_smoothing) -> None:
+    if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, numbers.Real):
+        raise TypeError(f"label_smoothing must be a float, got {type(label_smoothing).__name__}")
+    if label_smoothing != 0.0:
+        raise ValueError(
+            f"label_smoothing={label_smoothing!r} is not supported: the smoothed loss needs "
+            "the mean log-probability over the vocabulary, which contract exactlogp-v1 "
+            "does not compute; use 0.0 or megatron-core's own function"
+        )
+
+
+def _import(name: str):
+    try:
+        return importlib.import_module(name)
+    except ImportError as exc:
+        raise ImportError(
+            f"tp_group=None reads Megatron's parallel state, but {name} cannot be imported "
+            f"({exc}); install megatron-core or pass tp_group"
+        ) from exc

@@ -1,0 +1,291 @@
+"""Rollout side: the sampled tokens' logprobs from vLLM's logits, with the trainer's bits.
+
+`rollout_logprobs` takes the logits vLLM's sampler sees (gathered, or still split over
+vLLM's tensor-parallel group) and gives, per sampled token, either vLLM's "raw" logprob
+(log softmax of the logits) or its "processed" one (after temperature and the top-k /
+top-p cut). A trainer that calls exactlogp on the same logits with the same temperature
+and keep-mask gets the same bits at any TP degree.
+
+`patch_vllm_sampler()` makes vLLM's v1 `Sampler` report these values as the logprob of the
+sampled token (column 0 of `SamplerOutput.logprobs_tensors.logprobs`).
+
+Padding: vLLM pads its LM head to a multiple of 64 and Megatron to a multiple of
+128 * TP; pass `vocab_size` (the real vocabulary) and padding never counts.
+"""
+
+from __future__ import annotations
+
+import functools
+import numbers
+
+import torch
+
+from ..api import LogprobResult, selected_logprobs
+from . import _patching
+
+PATCH_KEY = "patch_vllm_sampler"
+VOCAB_PADDING = 64  # vLLM's DEFAULT_VOCAB_PADDING_SIZE for ParallelLMHead
+GREEDY_EPS = 1e-5  # vLLM's _SAMPLING_EPS: rows below it are greedy and scored at temperature 1
+
+
+def vllm_padded_vocab_size(vocab_size: int, padding: int = VOCAB_PADDING) -> int:
+    """The LM-head width vLLM uses: vocab_size rounded up to a multiple of `padding`."""
+    return -(-vocab_size // padding) * padding
+
+
+def rollout_logprobs(
+    logits: torch.Tensor,
+    token_ids: torch.Tensor,
+    *,
+    temperature: float | torch.Tensor = 1.0,
+    top_k: int | torch.Tensor | None = None,
+    top_p: float | torch.Tensor | None = None,
+    keep_mask: torch.Tensor | None = None,
+    vocab_size: int | None = None,
+    tp_group=None,
+    vocab_start: int | None = None,
+    with_entropy: bool = False,
+    validate: bool = True,
+) -> LogprobResult:
+    """Logprobs of the sampled `token_ids` under the distribution vLLM sampled from.
+
+    Args:
+        logits: (N, V_cols) the sampler's input, any float dtype vLLM uses; with
+            `tp_group`, this rank's vocabulary shard (rank r holds columns from
+            r * V_cols unless `vocab_start` says otherwise).
+        token_ids: (N,) the sampled global token ids.
+        temperature: float or (N,) per request; values below 1e-5 (greedy requests) are
+            scored at 1.0, as vLLM's sampler does. Defaults to the raw logprobs.
+        top_k: int or (N,) ints in [1, vocab]; vocab (or more) means no cut.
+        top_p: float or (N,) in (0, 1]; 1.0 means no cut.
+        keep_mask: (N, V_cols) bool of columns still allowed (e.g. by other processors);
+            combined with the top-k / top-p mask.
+        vocab_size: the real vocabulary; padding columns never count.
+        tp_group: vLLM's tensor-parallel group (`get_tp_group().device_group`) when the
+            logits are still sharded; top-k / top-p then need the gathered logits.
+    Returns:
+        `LogprobResult` (logprobs, entropy, lse) fp32 (N,).
+    """
+    if not isinstance(logits, torch.Tensor) or logits.dim() != 2:
+        raise ValueError(f"logits must be a 2-D (N, V) tensor, got {_describe(logits)}")
+    tau = _per_row_temperature(temperature, logits)
+    if top_k is not None or top_p is not None:
+        if tp_group is not None:
+            raise ValueError(
+                "top_k / top_p need whole rows: pass the gathered logits (tp_group=None), "
+                "or build the keep_mask from them and pass it with each shard"
+            )
+        cut = _pad_columns(vllm_keep_mask(_scaled(logits, tau, vocab_size), top_k, top_p), logits)
+        keep_mask = cut if keep_mask is None else keep_mask & cut
+    return selected_logprobs(
+        logits,
+        token_ids,
+        tp_group=tp_group,
+        vocab_start=vocab_start,
+        vocab_size=vocab_size,
+        temperature=tau,
+        keep_mask=keep_mask,
+        with_entropy=with_entropy,
+        validate=validate,
+    )
+
+
+def vllm_keep_mask(
+    scaled_logits: torch.Tensor,
+    top_k: int | torch.Tensor | None = None,
+    top_p: float | torch.Tensor | None = None,
+) -> torch.Tensor:
+    """(N, V) bool: the columns vLLM's sampler keeps after its top-k and top-p cut.
+
+    `scaled_logits` are the fp32 logits after temperature (real vocabulary only). The
+    steps are those of vLLM's PyTorch sampler path: top-k keeps every value >= the k-th
+    largest; top-p sorts ascending, takes the fp32 softmax and its running sum, drops the
+    columns whose running sum is <= 1 - p and always keeps the largest. Top-p reads float
+    rounding, so the trainer should reuse this mask rather than rebuild it.
+    """
+    if not isinstance(scaled_logits, torch.Tensor) or scaled_logits.dim() != 2:
+        raise ValueError(f"scaled_logits must be a 2-D tensor, got {_describe(scaled_logits)}")
+    y = scaled_logits.to(torch.float32)
+    num_rows, vocab = y.shape
+    keep = torch.ones_like(y, dtype=torch.bool)
+    if top_k is not None:
+        k = _per_row("top_k", top_k, num_rows, y.device, torch.int64, 1, None).clamp(max=vocab)
+        kth = torch.sort(y, dim=-1, descending=True).values.gather(-1, (k - 1).unsqueeze(-1))
+        keep &= y >= kth
+    if top_p is not None:
+        p = _per_row("top_p", top_p, num_rows, y.device, torch.float32, 0.0, 1.0)
+        keep &= _top_p_keep(torch.where(keep, y, float("-inf")), p)
+    return keep
+
+
+def shard_keep_mask(keep_mask: torch.Tensor, vocab_start: int, num_cols: int) -> torch.Tensor:
+    """A trainer shard's columns [vocab_start, vocab_start + num_cols) of a rollout's
+    (N, V) keep-mask; columns past V (padding) are False."""
+    if not isinstance(keep_mask, torch.Tensor) or keep_mask.dtype != torch.bool:
+        raise TypeError(f"keep_mask must be a bool tensor, got {_describe(keep_mask)}")
+    out = torch.zeros(keep_mask.shape[:-1] + (num_cols,), dtype=torch.bool, device=keep_mask.device)
+    stop = min(vocab_start + num_cols, keep_mask.shape[-1])
+    if stop > vocab_start:
+        out[..., : stop - vocab_start] = keep_mask[..., vocab_start:stop]
+    return out
+
+
+# --- vLLM's v1 sampler ---
+
+_SAMPLER_MODULE = "vllm.v1.sample.sampler"
+_EXACT_MODES = ("raw_logprobs", "processed_logprobs")
+
+
+def patch_vllm_sampler() -> _patching.PatchHandle:
+    """Make vLLM's v1 `Sampler` report exactlogp's logprob for each sampled token.
+
+    vLLM puts the sampled token's logprob in column 0 of
+    `SamplerOutput.logprobs_tensors.logprobs`; the patched `Sampler.forward` overwrites
+    it (and any top-k column holding the same token) when a batch asks for logprobs
+    (`max_num_logprobs` >= 0) under the sampler's "raw_logprobs" or "processed_logprobs"
+    mode. The other tokens' top-k values stay vLLM's. "processed_logprobs" reproduces temperature, top-k and
+    top-p; a batch that also uses penalties, bad words or an allowed-token mask raises,
+    and min-p, logit-bias or custom logits processors must be off.
+
+    Opt-in and idempotent; undo with `unpatch_vllm_sampler()` or `handle.undo()`.
+    """
+    site = _patching.Site(_SAMPLER_MODULE, "Sampler.forward", _exact_forward, wraps=True)
+    return _patching.apply(PATCH_KEY, [site])
+
+
+def unpatch_vllm_sampler() -> bool:
+    """Restore vLLM's own `Sampler.forward`; False if it was not patched."""
+    return _patching.undo(PATCH_KEY)
+
+
+def sampled_logprobs(
+    logits: torch.Tensor, sampled: torch.Tensor, sampling_metadata, logprobs_mode: str
+) -> torch.Tensor:
+    """(N,) fp32 exact logprobs of `sampled` for one vLLM batch, as `logprobs_mode` defines
+    them. `logits` are the sampler's input before it edits them in place."""
+    if logprobs_mode == "processed_logprobs":
+        _check_processed_supported(sampling_metadata)
+    if logprobs_mode == "raw_logprobs" or sampling_metadata.all_greedy:
+        # Raw, and all-greedy batches in processed mode: the logits as given, temperature 1.
+        return rollout_logprobs(logits, sampled).logprobs
+    return rollout_logprobs(
+        logits,
+        sampled,
+        temperature=sampling_metadata.temperature,
+        top_k=sampling_metadata.top_k,
+        top_p=sampling_metadata.top_p,
+    ).logprobs
+
+
+def _exact_forward(original):
+    @functools.wraps(original)
+    def forward(self, logits, sampling_metadata, *args, **kwargs):
+        mode = getattr(self, "logprobs_mode", None)
+        num = sampling_metadata.max_num_logprobs
+        if num is None or num < 0 or mode not in _EXACT_MODES:
+            return original(self, logits, sampling_metadata, *args, **kwargs)
+        if getattr(sampling_metadata, "logprobs_mode_override", None) is not None:
+            raise ValueError(f"{PATCH_KEY}: per-request logprobs_mode overrides are not supported")
+        if mode == "processed_logprobs":
+            _check_processed_supported(sampling_metadata)  # before sampling, not after
+        # The sampler edits fp32 logits in place (temperature, masks); keep the input.
+        kept = logits.clone() if logits.dtype == torch.float32 else logits
+        output = original(self, logits, sampling_metadata, *args, **kwargs)
+        sampled = output.sampled_token_ids[:, 0].to(torch.int64)
+        exact = sampled_logprobs(kept, sampled, sampling_metadata, mode)
+        tensors = output.logprobs_tensors
+        # Column 0 holds the sampled token; it may appear again among the top-k columns.
+        same = tensors.logprob_token_ids.to(torch.int64) == sampled.unsqueeze(-1)
+        values = tensors.logprobs
+        values.copy_(torch.where(same, exact.to(values.dtype).unsqueeze(-1), values))
+        return output
+
+    return forward
+
+
+def _check_processed_supported(sampling_metadata) -> None:
+    active = []
+    if not getattr(sampling_metadata, "no_penalties", True):
+        active.append("penalties")
+    if getattr(sampling_metadata, "allowed_token_ids_mask", None) is not None:
+        active.append("allowed_token_ids")
+    if getattr(sampling_metadata, "bad_words_token_ids", None):
+        active.append("bad_words")
+    if active:
+        raise ValueError(
+            f"{PATCH_KEY}: processed_logprobs with {', '.join(active)} is not reproduced; "
+            "only temperature, top_k and top_p are"
+        )
+
+
+# --- helpers ---
+
+
+def _per_row_temperature(temperature, logits: torch.Tensor) -> torch.Tensor:
+    """(N,) fp32 on the logits' device; greedy rows (< GREEDY_EPS) become 1.0.
+
+    Always a tensor: a per-row tensor divisor is an IEEE division on every device, as
+    in vLLM's sampler (a Python-float divisor can become a reciprocal multiply on GPU).
+    """
+    num_rows = logits.shape[0]
+    if isinstance(temperature, torch.Tensor):
+        tau = temperature.to(device=logits.device, dtype=torch.float32)
+        if tau.dim() == 0:
+            tau = tau.expand(num_rows)
+        if tau.shape != (num_rows,):
+            raise ValueError(
+                f"temperature tensor shape {tuple(temperature.shape)} must be () or ({num_rows},)"
+            )
+    elif isinstance(temperature, numbers.Real) and not isinstance(temperature, bool):
+        tau = torch.full((num_rows,), float(temperature), dtype=torch.float32, device=logits.device)
+    else:
+        raise TypeError(
+            f"temperature must be a float or a tensor, got {type(temperature).__name__}"
+        )
+    return torch.where(tau < GREEDY_EPS, torch.ones_like(tau), tau)
+
+
+def _scaled(logits: torch.Tensor, tau: torch.Tensor, vocab_size: int | None) -> torch.Tensor:
+    """fp32 logits / temperature over the real vocabulary, the bits exactlogp uses."""
+    real = logits if vocab_size is None else logits[:, :vocab_size]
+    return real.to(torch.float32) / tau.unsqueeze(-1)
+
+
+def _pad_columns(mask: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    if mask.shape[-1] == logits.shape[-1]:
+        return mask
+    return shard_keep_mask(mask, 0, logits.shape[-1])
+
+
+def _top_p_keep(y: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    ascending, order = torch.sort(y, dim=-1)
+    running = torch.softmax(ascending, dim=-1).cumsum(dim=-1)
+    drop = running <= 1 - p.unsqueeze(-1)
+    drop[:, -1] = False  # the largest always stays
+    return torch.empty_like(drop).scatter_(-1, order, ~drop)
+
+
+def _per_row(name, value, num_rows, device, dtype, low, high) -> torch.Tensor:
+    if isinstance(value, torch.Tensor):
+        out = value.to(device=device, dtype=dtype)
+        if out.dim() == 0:
+            out = out.expand(num_rows)
+        if out.shape != (num_rows,):
+            raise ValueError(
+                f"{name} tensor shape {tuple(value.shape)} must be () or ({num_rows},)"
+            )
+    elif isinstance(value, numbers.Real) and not isinstance(value, bool):
+        out = torch.full((num_rows,), value, dtype=dtype, device=device)
+    else:
+        raise TypeError(f"{name} must be a number or a tensor, got {type(value).__name__}")
+    too_low = out < low if dtype == torch.int64 else out <= low
+    if bool(too_low.any()) or (high is not None and bool((out > high).any())):
+        bound = f">= {low}" if dtype == torch.int64 else f"in ({low}, {high}]"
+        raise ValueError(f"{name} must be {bound}, got {value!r}")
+    return out
+
+
+def _describe(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"{value.dtype} tensor of shape {tuple(value.shape)}"
+    return type(value).__name__

@@ -1,0 +1,387 @@
+"""exactlogp.integrations.vllm: the rollout side, against a stand-in for vLLM's v1 sampler.
+
+vLLM does not run here. `StubSampler` follows the published structure of
+`vllm.v1.sample.sampler.Sampler.forward` (fp32 logits edited in place, temperature with
+greedy rows at 1.0, sort-based top-k / top-p, the sampled token's logprob in column 0),
+written independently of the code under test.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import NamedTuple
+
+import pytest
+import torch
+
+from exactlogp import selected_logprobs
+from exactlogp.integrations import vllm
+from exactlogp.integrations.megatron import megatron_padded_vocab_size
+from exactlogp.testing import assert_bitwise_equal, llm_like_logits, run_gloo_world, simulate_shards
+from integration_stubs import install_vllm_sampler
+
+VOCAB = 1000
+
+
+class LogprobsTensors(NamedTuple):
+    logprob_token_ids: torch.Tensor
+    logprobs: torch.Tensor
+    selected_token_ranks: torch.Tensor
+
+
+def _sort_based_cut(logits, k, p):
+    """vLLM's published top-k / top-p: sort ascending, fill -inf, scatter back."""
+    ascending, order = logits.sort(dim=-1)
+    if k is not None:
+        threshold = ascending.gather(1, (ascending.size(1) - k.long()).unsqueeze(1))
+        ascending.masked_fill_(ascending < threshold, float("-inf"))
+    if p is not None:
+        running = ascending.softmax(dim=-1).cumsum(dim=-1)
+        drop = running <= 1 - p.unsqueeze(1)
+        drop[:, -1] = False
+        ascending.masked_fill_(drop, float("-inf"))
+    return ascending.scatter(dim=-1, index=order, src=ascending)
+
+
+class StubSampler:
+    def __init__(self, logprobs_mode="raw_logprobs"):
+        self.logprobs_mode = logprobs_mode
+
+    def forward(self, logits, sampling_metadata, predict_bonus_token=False):
+        md = sampling_metadata
+        logits = logits.to(torch.float32)  # no copy for fp32: edits below reach the caller
+        raw = logits.log_softmax(-1) if self.logprobs_mode == "raw_logprobs" else None
+        if md.all_greedy:
+            sampled = logits.argmax(-1)
+            processed = logits.log_softmax(-1)
+        else:
+            temp = (
+                md.temperature
+                if md.all_random
+                else torch.where(md.temperature < 1e-5, 1.0, md.temperature)
+            )
+            logits.div_(temp.unsqueeze(1))
+            logits = _sort_based_cut(logits, md.top_k, md.top_p)
+            processed = logits.log_softmax(-1)
+            q = torch.empty_like(logits).exponential_(generator=md.generator)
+            sampled = (logits.softmax(-1) / q).argmax(-1)
+            greedy = md.temperature < 1e-5
+            sampled = torch.where(greedy, logits.argmax(-1), sampled)
+        sampled_ids = sampled.int()[:, None]
+        if md.max_num_logprobs is None:
+            return types.SimpleNamespace(sampled_token_ids=sampled_ids, logprobs_tensors=None)
+        lp = raw if raw is not None else processed
+        token_lp = lp.gather(-1, sampled[:, None])
+        top_lp, top_ids = lp.topk(max(md.max_num_logprobs, 1), -1)
+        tensors = LogprobsTensors(
+            torch.cat([sampled[:, None], top_ids], 1).int(),
+            torch.cat([token_lp, top_lp], 1),
+            (lp > token_lp).sum(-1),
+        )
+        return types.SimpleNamespace(sampled_token_ids=sampled_ids, logprobs_tensors=tensors)
+
+
+def _metadata(n, *, temperature=None, top_k=None, top_p=None, all_greedy=False, seed=0, **extra):
+    fields = dict(
+        temperature=temperature, all_greedy=all_greedy,
+        all_random=temperature is not None and bool((temperature >= 1e-5).all()),
+        top_k=top_k, top_p=top_p, max_num_logprobs=2, no_penalties=True,
+        allowed_token_ids_mask=None, bad_words_token_ids={}, logprobs_mode_override=None,
+        generator=torch.Generator().manual_seed(seed),
+    )  # fmt: skip
+    fields.update(extra)
+    return types.SimpleNamespace(**fields)
+
+
+@pytest.fixture(autouse=True)
+def _no_patch_left_behind():
+    yield
+    vllm.unpatch_vllm_sampler()
+
+
+@pytest.fixture
+def batch():
+    logits, _ = llm_like_logits(8, VOCAB, torch.bfloat16, seed=11)
+    n = logits.shape[0]
+    md = _metadata(
+        n,
+        temperature=torch.tensor([0.7, 1.0, 1.3, 0.0, 0.9, 2.0, 1.0, 0.5]),
+        top_k=torch.tensor([50, VOCAB, 5, VOCAB, 1, 200, VOCAB, 20]),
+        top_p=torch.tensor([0.9, 1.0, 0.8, 1.0, 1.0, 0.95, 0.5, 1.0]),
+    )
+    return logits, md
+
+
+# --- the keep mask ---
+
+
+def test_top_k_keeps_values_at_or_above_the_kth_largest():
+    logits, _ = llm_like_logits(6, VOCAB, torch.float32, seed=1)
+    k = torch.tensor([1, 2, 10, 999, VOCAB, 3])
+    mask = vllm.vllm_keep_mask(logits, top_k=k)
+    for i in range(6):
+        kth = logits[i].topk(int(k[i])).values[-1]
+        assert torch.equal(mask[i], logits[i] >= kth)
+    assert bool(mask[4].all())
+
+
+def test_top_k_keeps_ties():
+    y = torch.tensor([[1.0, 3.0, 3.0, 2.0, 3.0]])
+    assert vllm.vllm_keep_mask(y, top_k=2).tolist() == [[False, True, True, False, True]]
+
+
+def test_keep_mask_matches_the_sort_based_sampler(batch):
+    logits, md = batch
+    y = logits.float() / torch.where(md.temperature < 1e-5, 1.0, md.temperature)[:, None]
+    cut = _sort_based_cut(y.clone(), md.top_k, md.top_p)
+    mask = vllm.vllm_keep_mask(y, md.top_k, md.top_p)
+    assert torch.equal(mask, cut != float("-inf"))
+
+
+def test_top_p_against_fp64_nucleus():
+    # Away from ties and from the boundary, vLLM's rule keeps the smallest set of
+    # largest tokens whose probability exceeds p.
+    logits, _ = llm_like_logits(16, VOCAB, torch.float32, seed=2)
+    p = 0.8
+    mask = vllm.vllm_keep_mask(logits, top_p=p)
+    probs = torch.softmax(logits.double(), -1)
+    for i in range(16):
+        desc, order = probs[i].sort(descending=True)
+        before = desc.cumsum(0) - desc  # mass strictly above each token
+        expected = torch.zeros(VOCAB, dtype=torch.bool)
+        expected[order[before < p]] = True
+        assert (before - p).abs().min() > 1e-5  # no boundary case in this data
+        assert torch.equal(mask[i], expected), i
+
+
+def test_shard_keep_mask_pads_with_false():
+    full = torch.tensor([[True, False, True, True, False]])
+    assert vllm.shard_keep_mask(full, 0, 3).tolist() == [[True, False, True]]
+    assert vllm.shard_keep_mask(full, 3, 3).tolist() == [[True, False, False]]
+    assert vllm.shard_keep_mask(full, 6, 3).tolist() == [[False, False, False]]
+
+
+def test_padded_vocab_sizes():
+    assert vllm.vllm_padded_vocab_size(151936) == 151936  # 2374 * 64
+    assert vllm.vllm_padded_vocab_size(151937) == 152000
+    assert megatron_padded_vocab_size(151936, 4) == 152064
+
+
+# --- rollout_logprobs ---
+
+
+def test_raw_logprobs_are_the_operator_bits(batch):
+    logits, _ = batch
+    tokens = torch.arange(8) * 7
+    got = vllm.rollout_logprobs(logits, tokens)
+    assert_bitwise_equal(got.logprobs, selected_logprobs(logits, tokens).logprobs, "raw")
+
+
+def test_processed_logprobs_equal_a_padded_tp4_trainer(batch):
+    logits, md = batch
+    tokens = logits.float().argmax(-1)  # always kept by any cut
+    got = vllm.rollout_logprobs(
+        logits,
+        tokens,
+        temperature=md.temperature,
+        top_k=md.top_k,
+        top_p=md.top_p,
+        with_entropy=True,
+    )
+    # The trainer: Megatron-padded TP=4 shards, the rollout's keep mask, same temperature.
+    tau = torch.where(md.temperature < 1e-5, 1.0, md.temperature)
+    mask = vllm.vllm_keep_mask(logits.float() / tau[:, None], md.top_k, md.top_p)
+    width = megatron_padded_vocab_size(VOCAB, 4, divisible_by=8)
+    padded = torch.cat([logits, torch.zeros(8, width - VOCAB, dtype=logits.dtype)], -1)
+    trainer = simulate_shards(
+        padded, tokens, [0, width // 4, width // 2, 3 * width // 4, width],
+        vocab_size=VOCAB, temperature=tau, keep_mask=vllm.shard_keep_mask(mask, 0, width),
+    )  # fmt: skip
+    assert_bitwise_equal(got.logprobs, trainer.logprobs, "rollout vs trainer")
+    assert_bitwise_equal(got.entropy, trainer.entropy, "entropy")
+
+
+def test_greedy_rows_are_scored_at_temperature_one(batch):
+    logits, _ = batch
+    tokens = logits.float().argmax(-1)
+    greedy = vllm.rollout_logprobs(logits, tokens, temperature=torch.zeros(8))
+    assert_bitwise_equal(greedy.logprobs, vllm.rollout_logprobs(logits, tokens).logprobs, "greedy")
+
+
+def test_float_and_tensor_temperature_agree(batch):
+    logits, _ = batch
+    tokens = logits.float().argmax(-1)
+    a = vllm.rollout_logprobs(logits, tokens, temperature=0.7)
+    b = vllm.rollout_logprobs(logits, tokens, temperature=torch.full((8,), 0.7))
+    assert_bitwise_equal(a.logprobs, b.logprobs, "float vs tensor temperature")
+
+
+def test_keep_mask_is_combined_with_the_cut(batch):
+    logits, _ = batch
+    tokens = logits.float().argmax(-1)
+    allowed = torch.ones(8, VOCAB, dtype=torch.bool)
+    allowed[:, 500:] = False
+    allowed[torch.arange(8), tokens] = True
+    got = vllm.rollout_logprobs(logits, tokens, top_k=100, keep_mask=allowed)
+    both = allowed & vllm.vllm_keep_mask(logits.float(), top_k=100)
+    expected = selected_logprobs(logits, tokens, keep_mask=both).logprobs
+    assert_bitwise_equal(got.logprobs, expected, "mask & cut")
+
+
+def test_bad_arguments(batch):
+    logits, _ = batch
+    tokens = torch.zeros(8, dtype=torch.int64)
+    with pytest.raises(ValueError, match="logits must be a 2-D"):
+        vllm.rollout_logprobs(logits[0], tokens[0])
+    with pytest.raises(ValueError, match="top_k must be >= 1"):
+        vllm.rollout_logprobs(logits, tokens, top_k=0)
+    with pytest.raises(ValueError, match=r"top_p must be in \(0.0, 1.0\]"):
+        vllm.rollout_logprobs(logits, tokens, top_p=1.5)
+    with pytest.raises(ValueError, match=r"temperature tensor shape \(3,\)"):
+        vllm.rollout_logprobs(logits, tokens, temperature=torch.ones(3))
+    with pytest.raises(TypeError, match="temperature must be a float or a tensor, got str"):
+        vllm.rollout_logprobs(logits, tokens, temperature="1")
+    with pytest.raises(ValueError, match="top_k / top_p need whole rows"):
+        vllm.rollout_logprobs(logits, tokens, top_k=5, tp_group=object())
+
+
+# --- patch_vllm_sampler ---
+
+
+def _run_sampler(mode, logits, md, patched):
+    vllm.unpatch_vllm_sampler()
+    if patched:
+        vllm.patch_vllm_sampler()
+    md.generator.manual_seed(0)
+    return StubSampler(mode).forward(logits, md)
+
+
+@pytest.mark.parametrize("mode", ["raw_logprobs", "processed_logprobs"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_patched_sampler_reports_exact_logprobs(monkeypatch, batch, mode, dtype):
+    install_vllm_sampler(monkeypatch, StubSampler)
+    logits, md = batch
+    logits = logits.to(dtype)
+    theirs = _run_sampler(mode, logits.clone(), md, patched=False)
+    pristine = logits.clone()
+    out = _run_sampler(mode, logits, md, patched=True)
+    sampled = out.sampled_token_ids[:, 0].long()
+    assert torch.equal(sampled, theirs.sampled_token_ids[:, 0].long())  # sampling untouched
+    if mode == "raw_logprobs":
+        expected = vllm.rollout_logprobs(pristine, sampled).logprobs
+    else:
+        expected = vllm.rollout_logprobs(
+            pristine, sampled, temperature=md.temperature, top_k=md.top_k, top_p=md.top_p
+        ).logprobs
+    values, ids = out.logprobs_tensors.logprobs, out.logprobs_tensors.logprob_token_ids
+    assert_bitwise_equal(values[:, 0], expected, f"{mode} column 0")
+    same = ids.long() == sampled[:, None]
+    assert bool(same[:, 1:].any())  # the sampled token is also among the top-k somewhere
+    assert_bitwise_equal(values[same], expected[:, None].expand_as(values)[same], "repeats")
+    assert torch.equal(values[~same], theirs.logprobs_tensors.logprobs[~same])  # the others
+    torch.testing.assert_close(
+        out.logprobs_tensors.logprobs[:, 0],
+        theirs.logprobs_tensors.logprobs[:, 0],
+        atol=1e-5,
+        rtol=1e-5,
+    )
+
+
+def test_patched_sampler_all_greedy_processed(monkeypatch, batch):
+    install_vllm_sampler(monkeypatch, StubSampler)
+    logits, _ = batch
+    md = _metadata(8, all_greedy=True)
+    out = _run_sampler("processed_logprobs", logits, md, patched=True)
+    sampled = out.sampled_token_ids[:, 0].long()
+    expected = vllm.rollout_logprobs(logits, sampled).logprobs
+    assert_bitwise_equal(out.logprobs_tensors.logprobs[:, 0], expected, "all greedy")
+
+
+def test_patched_sampler_leaves_other_modes_alone(monkeypatch, batch):
+    install_vllm_sampler(monkeypatch, StubSampler)
+    logits, md = batch
+    md.max_num_logprobs = None
+    vllm.patch_vllm_sampler()
+    calls = []
+    original = vllm.rollout_logprobs
+    monkeypatch.setattr(
+        vllm, "rollout_logprobs", lambda *a, **k: calls.append(1) or original(*a, **k)
+    )
+    StubSampler("raw_logprobs").forward(logits, md)
+    md.max_num_logprobs = 2
+    StubSampler("processed_logits").forward(logits, md)
+    assert calls == []
+
+
+def test_patched_sampler_refuses_unsupported_processing(monkeypatch, batch):
+    install_vllm_sampler(monkeypatch, StubSampler)
+    logits, md = batch
+    md.no_penalties = False
+    md.bad_words_token_ids = {0: [[3]]}
+    vllm.patch_vllm_sampler()
+    with pytest.raises(ValueError, match="processed_logprobs with penalties, bad_words is not"):
+        StubSampler("processed_logprobs").forward(logits, md)
+
+
+def test_patch_is_idempotent_and_reversible(monkeypatch):
+    install_vllm_sampler(monkeypatch, StubSampler)
+    original = StubSampler.__dict__["forward"]
+    handle = vllm.patch_vllm_sampler()
+    assert vllm.patch_vllm_sampler() is handle
+    assert StubSampler.__dict__["forward"].__wrapped__ is original
+    assert handle.sites == ("vllm.v1.sample.sampler.Sampler.forward",)
+    assert vllm.unpatch_vllm_sampler() is True
+    assert StubSampler.__dict__["forward"] is original
+    assert vllm.unpatch_vllm_sampler() is False
+
+
+def test_patch_names_a_moved_symbol(monkeypatch):
+    class Elsewhere:
+        pass
+
+    install_vllm_sampler(monkeypatch, Elsewhere)
+    with pytest.raises(
+        AttributeError, match=r"vllm\.v1\.sample\.sampler\.Sampler\.forward does not exist"
+    ):
+        vllm.patch_vllm_sampler()
+
+
+def test_patch_without_vllm_is_a_clear_error(monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "vllm", None)
+    with pytest.raises(ImportError, match=r"cannot import vllm\.v1\.sample\.sampler"):
+        vllm.patch_vllm_sampler()
+
+
+# --- logits still split over vLLM's tensor-parallel group (gloo world of 2) ---
+
+
+def _sharded_rollout(rank, world_size, group, logits, tokens, temperature, mask):
+    width = logits.shape[-1] // world_size
+    cols = slice(rank * width, (rank + 1) * width)
+    return vllm.rollout_logprobs(
+        logits[:, cols], tokens, temperature=temperature, vocab_size=VOCAB, tp_group=group,
+        keep_mask=vllm.shard_keep_mask(mask, rank * width, width), with_entropy=True,
+    )  # fmt: skip
+
+
+def test_sharded_rollout_equals_gathered(batch):
+    logits, md = batch
+    tokens = logits.float().argmax(-1)
+    padded_width = vllm.vllm_padded_vocab_size(VOCAB)  # 1024 = 2 * 512
+    padded = torch.cat([logits, torch.zeros(8, padded_width - VOCAB, dtype=logits.dtype)], -1)
+    tau = torch.where(md.temperature < 1e-5, 1.0, md.temperature)
+    mask = vllm.vllm_keep_mask(logits.float() / tau[:, None], md.top_k, md.top_p)
+    gathered = vllm.rollout_logprobs(
+        logits,
+        tokens,
+        temperature=md.temperature,
+        top_k=md.top_k,
+        top_p=md.top_p,
+        with_entropy=True,
+    )
+    results = run_gloo_world(2, _sharded_rollout, padded, tokens, md.temperature, mask)
+    for rank, got in enumerate(results):
+        assert_bitwise_equal(got.logprobs, gathered.logprobs, f"rank {rank} logprobs")
+        assert_bitwise_equal(got.entropy, gathered.entropy, f"rank {rank} entropy")
