@@ -14,6 +14,7 @@ TRITON_INTERPRET=1 (the Triton interpreter executes them with numpy, for testing
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -38,13 +39,15 @@ class DtypeConfigs:
     grad: LaunchConfig  # fp64 bound, one block of columns per program
 
 
-# Fixed per logits dtype. The max pass streams 16 KiB per loop step (32 logits per thread);
-# the fp64 passes keep 8 logits per thread (~110 registers, no spills on sm_90).
+# Fixed per logits dtype. The max pass reads 32 bytes per thread per loop step (~50-70
+# registers, so several programs share a multiprocessor and keep HBM busy); the fp64
+# passes keep 8 logits per thread (~110 registers with entropy, no spills on sm_90;
+# benchmarks/triton_ptx_check.py prints the figures).
 _FP64_PASS = LaunchConfig(block_v=1024, num_warps=4)
 CONFIGS: dict[torch.dtype, DtypeConfigs] = {
-    torch.bfloat16: DtypeConfigs(LaunchConfig(8192, 8), _FP64_PASS, _FP64_PASS),
-    torch.float16: DtypeConfigs(LaunchConfig(8192, 8), _FP64_PASS, _FP64_PASS),
-    torch.float32: DtypeConfigs(LaunchConfig(4096, 8), _FP64_PASS, _FP64_PASS),
+    torch.bfloat16: DtypeConfigs(LaunchConfig(4096, 8), _FP64_PASS, _FP64_PASS),
+    torch.float16: DtypeConfigs(LaunchConfig(4096, 8), _FP64_PASS, _FP64_PASS),
+    torch.float32: DtypeConfigs(LaunchConfig(2048, 8), _FP64_PASS, _FP64_PASS),
 }
 
 # Aim for this many programs per multiprocessor when splitting rows across programs.
@@ -87,12 +90,16 @@ def _prepare(logits, temperature, keep_mask, plan: ShardPlan) -> _Prepared:
     if isinstance(temperature, torch.Tensor):
         tau = temperature.to(device=dev, dtype=torch.float32).contiguous()
         tau64, stride_tau, has_tau = tau.to(torch.float64), 1, True
-    else:
+    elif temperature != 1.0:
         # y divides by tau rounded to fp32; the gradient divides by the float itself,
-        # exactly as contract.scaled_logits and contract.grad_block do.
-        tau = torch.tensor([temperature], dtype=torch.float32, device=dev)
-        tau64 = torch.tensor([temperature], dtype=torch.float64, device=dev)
-        stride_tau, has_tau = 0, temperature != 1.0
+        # exactly as contract.scaled_logits and contract.grad_block do. torch.full keeps
+        # the host from waiting on the device (no copy from host memory).
+        tau = torch.full((1,), temperature, dtype=torch.float32, device=dev)
+        tau64 = torch.full((1,), temperature, dtype=torch.float64, device=dev)
+        stride_tau, has_tau = 0, True
+    else:  # a division by exactly 1.0 is the identity: the kernels skip it
+        tau = tau64 = x
+        stride_tau, has_tau = 0, False
     num_cols = logits.shape[-1]
     n_real = num_cols
     if plan.vocab_size is not None:
@@ -117,7 +124,12 @@ def _target_programs(device: torch.device) -> int:
     """How many programs a launch should have to fill the device (1 in the interpreter)."""
     if device.type != "cuda":
         return 1
-    return PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
+    return PROGRAMS_PER_SM * _sm_count(device.index)
+
+
+@functools.cache
+def _sm_count(index: int | None) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def _programs_per_row(num_rows: int, n_real: int, cfg: LaunchConfig, device) -> tuple[int, int]:
