@@ -64,7 +64,7 @@ class Variant:
 
 def variants(quick: bool) -> list[Variant]:
     bf16, f16, f32 = torch.bfloat16, torch.float16, torch.float32
-    full = [Variant(k, bf16, True, True, True) for k in ("row_max", "partials", "grad")]
+    full = [Variant(k, bf16, True, True, k != "row_max") for k in ("row_max", "partials", "grad")]
     if quick:
         return full
     return full + [

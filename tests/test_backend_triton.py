@@ -112,13 +112,13 @@ def test_api_invalid_per_row_temperature_gives_nan_rows(backends):
 # --- the local passes on shards: offsets, padding, masks, empty shards, split rows ---
 
 
-def _row_stats(logits, target, tau, keep, vocab_size, with_entropy, seed=0):
+def _row_stats(logits, target, tau, keep, vocab_size, with_entropy, seed=0, ignore_index=-100):
     """Whole-row max and GradStats (random upstream gradients), from the reference."""
     fin = testing.simulate_shards(
         logits, target, [0, logits.shape[1]], vocab_size=vocab_size, temperature=tau,
-        keep_mask=keep, with_entropy=with_entropy,
+        keep_mask=keep, with_entropy=with_entropy, ignore_index=ignore_index,
     )  # fmt: skip
-    plan = ShardPlan(0, vocab_size, -100, with_entropy)
+    plan = ShardPlan(0, vocab_size, ignore_index, with_entropy)
     row_max = get_backend("reference", CPU).row_max(logits, tau, keep, plan)
     gen = torch.Generator().manual_seed(seed)
     g_lp, g_ent, g_lse = (
@@ -131,10 +131,12 @@ def _row_stats(logits, target, tau, keep, vocab_size, with_entropy, seed=0):
     )  # fmt: skip
 
 
-def _compare_shard(logits, target, tau, keep, stats, lo, hi, vocab_size, with_entropy, cfg):
+def _compare_shard(
+    logits, target, tau, keep, stats, lo, hi, vocab_size, with_entropy, cfg, ignore_index=-100
+):
     """Every local pass of shard [lo, hi) of the padded rows, both backends, bitwise."""
     ref = get_backend("reference", CPU)
-    plan = ShardPlan(lo, vocab_size, -100, with_entropy)
+    plan = ShardPlan(lo, vocab_size, ignore_index, with_entropy)
     x = logits[:, lo:hi]
     mask = None if keep is None else keep[:, lo:hi]
     testing.assert_bitwise_equal(
@@ -171,6 +173,9 @@ def test_local_passes_on_uneven_padded_shards(backends, dtype):
         _compare_shard(logits, target, tau, keep, stats, lo, hi, vocab_size, True, cfg)
     stats = _row_stats(logits, target, 0.6, None, None, False)
     _compare_shard(logits, target, 0.6, None, stats, 100, 400, None, False, SMALL)
+    # ignore_index that is also a real column id: rows with that target are ignored
+    stats = _row_stats(logits, target, 1.0, None, None, True, ignore_index=150)
+    _compare_shard(logits, target, 1.0, None, stats, 0, 507, None, True, SMALL, ignore_index=150)
 
 
 def test_rows_split_across_programs(backends, monkeypatch):
@@ -228,6 +233,40 @@ def _quantize_kernel(v_ptr, hi_ptr, lo_ptr, n, BLOCK: tl.constexpr):
     hi, lo = kernels._quantize(tl.load(v_ptr + offs, mask=offs < n, other=0.0))
     tl.store(hi_ptr + offs, hi, mask=offs < n)
     tl.store(lo_ptr + offs, lo, mask=offs < n)
+
+
+@triton.jit
+def _store_grad_kernel(g_ptr, out_ptr, n, OUT_KIND: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    g = tl.load(g_ptr + offs, mask=offs < n, other=0.0)
+    kernels._store_grad(out_ptr, offs, offs < n, g, offs < 0, OUT_KIND)
+
+
+def _rounding_cases() -> torch.Tensor:
+    """fp64 values on every rounding boundary of fp64 -> fp32 -> fp16 / bf16."""
+    gen = torch.Generator().manual_seed(4)
+    mant = torch.randint(0, 1 << 23, (3000,), generator=gen, dtype=torch.int32)
+    expo = torch.randint(0, 255, (3000,), generator=gen, dtype=torch.int32) << 23
+    sign = torch.randint(0, 2, (3000,), generator=gen, dtype=torch.int32) << 31
+    f32 = mant | expo | sign  # random fp32 bit patterns (subnormals included)
+    ties = torch.cat([(f32 & ~0xFFFF) | 0x8000, (f32 & ~0x1FFF) | 0x1000])  # bf16, fp16 ties
+    near = torch.cat([f32, ties, ties + 1, ties - 1]).view(torch.float32)
+    near = near[torch.isfinite(near)].double()
+    half_ulp = torch.ldexp(torch.ones(8, dtype=torch.float64), torch.tensor([-24] * 8))
+    f64_ties = (1.0 + torch.arange(8) * 2.0**-23).double() + half_ulp  # fp64 -> fp32 ties
+    special = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan"), 65504.0,
+                            65520.0, -65520.0, 3.4e38, 3.5e38, 2.0**-149, 2.0**-150,
+                            3 * 2.0**-151, 2.0**-24, 2.0**-25, 3 * 2.0**-26], dtype=torch.float64)  # fmt: skip
+    return torch.cat([near, f64_ties, -f64_ties, special, torch.randn(500, generator=gen) * 1e-3])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_gradient_rounding_to_each_dtype(backends, dtype):
+    g = _rounding_cases()
+    kind, bits = launch._GRAD_KIND[dtype]
+    out = torch.empty(g.numel(), dtype=dtype)
+    _store_grad_kernel[(triton.cdiv(g.numel(), 1024),)](g, out.view(bits), g.numel(), kind, 1024)
+    testing.assert_bitwise_equal(out, g.to(torch.float32).to(dtype), str(dtype))
 
 
 def test_exp_c_and_quantize_on_boundary_values(backends):
