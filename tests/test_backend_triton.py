@@ -1,19 +1,22 @@
 """The Triton backend gives the reference backend's bits (bitwise claims, no tolerance).
 
-The kernels run on the CPU in the Triton interpreter (TRITON_INTERPRET=1, set below before
-the kernels are defined), so every case is small. On a GPU, benchmarks/gpu_check.py runs
-the same comparisons on large shapes.
+Without a GPU the kernels run on the CPU in the Triton interpreter (TRITON_INTERPRET=1, set
+below before the kernels are defined), so every case is small; with one they run on it and
+are compared with the reference on the CPU. benchmarks/gpu_check.py does the same on large
+shapes.
 """
 
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before exactlogp's kernels are defined
-
-import subprocess
-import sys
-
-import pytest
 import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before exactlogp's kernels are defined
+
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+
+import pytest  # noqa: E402
 
 triton = pytest.importorskip("triton", reason="Triton is not installed: no Triton backend")
 tl = triton.language
@@ -24,32 +27,39 @@ from exactlogp.backends import ShardPlan, get_backend  # noqa: E402
 from exactlogp.backends.triton import kernels, launch  # noqa: E402
 
 CPU = torch.device("cpu")
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # where Triton runs
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 SMALL = launch.LaunchConfig(block_v=128, num_warps=4)  # many loop steps and a ragged tail
 
 
 @pytest.fixture(scope="module")
 def backends():
-    tri = get_backend("triton", CPU)
-    if not launch.interpreted():
+    tri = get_backend("triton", DEVICE)
+    if DEVICE.type == "cpu" and not launch.interpreted():
         raise RuntimeError("exactlogp's Triton kernels were imported before TRITON_INTERPRET=1")
     return get_backend("reference", CPU), tri
 
 
-def _outputs_and_grad(logits, target, backend, seed=7, **kwargs):
-    """Forward outputs and d(sum of random weights * outputs)/dlogits."""
-    x = logits.clone().requires_grad_(True)
+def _on(device, *tensors):
+    return [t.to(device) if isinstance(t, torch.Tensor) else t for t in tensors]
+
+
+def _outputs_and_grad(logits, target, backend, device, seed=7, **kwargs):
+    """Forward outputs and d(sum of random weights * outputs)/dlogits, on the CPU."""
+    x, target = _on(device, logits, target)
+    x = x.clone().requires_grad_(True)
+    kwargs = {k: _on(device, v)[0] for k, v in kwargs.items()}
     res = exactlogp.selected_logprobs(x, target, backend=backend, **kwargs)
     outs = [res.logprobs, res.lse] + ([res.entropy] if res.entropy is not None else [])
     gen = torch.Generator().manual_seed(seed)
-    weights = [torch.randn(o.shape, generator=gen) for o in outs]
+    weights = [torch.randn(o.shape, generator=gen).to(device) for o in outs]
     torch.autograd.backward(outs, weights)
-    return outs, x.grad
+    return [o.detach().cpu() for o in outs], x.grad.cpu()
 
 
 def _assert_same_run(logits, target, **kwargs):
-    ref_out, ref_grad = _outputs_and_grad(logits, target, "reference", **kwargs)
-    tri_out, tri_grad = _outputs_and_grad(logits, target, "triton", **kwargs)
+    ref_out, ref_grad = _outputs_and_grad(logits, target, "reference", CPU, **kwargs)
+    tri_out, tri_grad = _outputs_and_grad(logits, target, "triton", DEVICE, **kwargs)
     for name, a, b in zip(("logprobs", "lse", "entropy"), tri_out, ref_out, strict=False):
         testing.assert_bitwise_equal(a, b, name)
     testing.assert_bitwise_equal(tri_grad, ref_grad, "grad")
@@ -139,16 +149,18 @@ def _compare_shard(
     plan = ShardPlan(lo, vocab_size, ignore_index, with_entropy)
     x = logits[:, lo:hi]
     mask = None if keep is None else keep[:, lo:hi]
+    dx, dtarget, dtau, dmask = _on(DEVICE, x, target, tau, mask)
+    dstats = contract.GradStats(*_on(DEVICE, *stats))
     testing.assert_bitwise_equal(
-        launch.row_max(x, tau, mask, plan, cfg), ref.row_max(x, tau, mask, plan), "row_max"
+        launch.row_max(dx, dtau, dmask, plan, cfg), ref.row_max(x, tau, mask, plan), "row_max"
     )
     testing.assert_bitwise_equal(
-        launch.partials(x, target, tau, mask, stats.row_max, plan, cfg),
+        launch.partials(dx, dtarget, dtau, dmask, dstats.row_max, plan, cfg),
         ref.partials(x, target, tau, mask, stats.row_max, plan),
         "partials",
     )
     testing.assert_bitwise_equal(
-        launch.grad(x, target, tau, mask, stats, plan, cfg),
+        launch.grad(dx, dtarget, dtau, dmask, dstats, plan, cfg),
         ref.grad(x, target, tau, mask, stats, plan),
         "grad",
     )
@@ -190,6 +202,7 @@ def test_rows_split_across_programs(backends, monkeypatch):
         _compare_shard(logits, target, 0.8, keep, stats, 0, 700, 650, True, cfg)
 
 
+@pytest.mark.skipif(DEVICE.type == "cuda", reason="simulate_shards combines on the CPU")
 def test_simulated_tp_shards_match_whole_vocab(backends):
     logits, target = testing.llm_like_logits(5, 509, torch.bfloat16, seed=18)
     whole = testing.simulate_shards(logits, target, [0, 509], vocab_size=500, temperature=0.8)
@@ -206,12 +219,13 @@ def test_empty_batch_and_empty_shard(backends):
         target = torch.full((shape[0],), -100)
         plan = ShardPlan(10, None, -100, True)
         ref, tri = backends
-        testing.assert_bitwise_equal(
-            tri.row_max(logits, 1.0, None, plan), ref.row_max(logits, 1.0, None, plan), "max"
-        )
         row_max = torch.full((shape[0],), float("-inf"))
+        dx, dtarget, drow_max = _on(DEVICE, logits, target, row_max)
         testing.assert_bitwise_equal(
-            tri.partials(logits, target, 1.0, None, row_max, plan),
+            tri.row_max(dx, 1.0, None, plan), ref.row_max(logits, 1.0, None, plan), "max"
+        )
+        testing.assert_bitwise_equal(
+            tri.partials(dx, dtarget, 1.0, None, drow_max, plan),
             ref.partials(logits, target, 1.0, None, row_max, plan),
             "partials",
         )
@@ -264,8 +278,9 @@ def _rounding_cases() -> torch.Tensor:
 def test_gradient_rounding_to_each_dtype(backends, dtype):
     g = _rounding_cases()
     kind, bits = launch._GRAD_KIND[dtype]
-    out = torch.empty(g.numel(), dtype=dtype)
-    _store_grad_kernel[(triton.cdiv(g.numel(), 1024),)](g, out.view(bits), g.numel(), kind, 1024)
+    out = torch.empty(g.numel(), dtype=dtype, device=DEVICE)
+    grid = (triton.cdiv(g.numel(), 1024),)
+    _store_grad_kernel[grid](g.to(DEVICE), out.view(bits), g.numel(), kind, 1024)
     testing.assert_bitwise_equal(out, g.to(torch.float32).to(dtype), str(dtype))
 
 
@@ -278,10 +293,12 @@ def test_exp_c_and_quantize_on_boundary_values(backends):
         ties, torch.nextafter(ties, torch.zeros_like(ties)),
         -64.0 * torch.rand(4000, generator=gen, dtype=torch.float64),
     ]).clamp(min=contract.CUTOFF)  # fmt: skip
-    out = torch.empty_like(d)
-    table = torch.tensor(contract.EXP2_TABLE, dtype=torch.float64)
-    _exp_c_kernel[(triton.cdiv(d.numel(), 1024),)](d, table, out, d.numel(), BLOCK=1024)
+    out = torch.empty_like(d, device=DEVICE)
+    table = torch.tensor(contract.EXP2_TABLE, dtype=torch.float64, device=DEVICE)
+    grid = (triton.cdiv(d.numel(), 1024),)
+    _exp_c_kernel[grid](d.to(DEVICE), table, out, d.numel(), BLOCK=1024)
     testing.assert_bitwise_equal(out, contract.exp_c(d), "exp_c")
+    out = out.cpu()
 
     k = torch.randint(0, 1 << 42, (2000,), generator=gen, dtype=torch.int64).double()
     v = torch.cat([
@@ -289,8 +306,9 @@ def test_exp_c_and_quantize_on_boundary_values(backends):
         k * 2.0**-42, (k + 0.5) * 2.0**-42, k * 2.0**-42 + 2.0**-85,
         torch.rand(4000, generator=gen, dtype=torch.float64), out,
     ]).clamp(max=1.0)  # fmt: skip
-    hi, lo = torch.empty_like(v, dtype=torch.int64), torch.empty_like(v, dtype=torch.int64)
-    _quantize_kernel[(triton.cdiv(v.numel(), 1024),)](v, hi, lo, v.numel(), BLOCK=1024)
+    hi = torch.empty_like(v, dtype=torch.int64, device=DEVICE)
+    lo = torch.empty_like(hi)
+    _quantize_kernel[(triton.cdiv(v.numel(), 1024),)](v.to(DEVICE), hi, lo, v.numel(), BLOCK=1024)
     ref_hi, ref_lo = contract.quantize(v)
     testing.assert_bitwise_equal(hi, ref_hi, "hi")
     testing.assert_bitwise_equal(lo, ref_lo, "lo")
@@ -300,8 +318,8 @@ def test_exp_c_and_quantize_on_boundary_values(backends):
 
 
 def test_auto_keeps_reference_for_cpu_tensors(backends):
-    assert get_backend("auto", CPU).name == "reference"
-    assert get_backend("triton", CPU).name == "triton"
+    assert get_backend("auto", CPU).name == "reference"  # even under the interpreter
+    assert get_backend("auto", DEVICE).name == ("triton" if DEVICE.type == "cuda" else "reference")
 
 
 def test_cpu_without_interpreter_is_a_clear_error():

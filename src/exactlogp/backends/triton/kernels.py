@@ -7,7 +7,7 @@ reference's on any GPU and under the Triton interpreter:
   term pass    d = y - M (fp64) -> exp_c -> quantize -> int64 limb sums, target, counters
   gradient     d -> exp_c -> p = e / fl(S) -> g -> g / tau -> fp32 -> logits dtype
 
-What keeps the bits equal (docs: launch.py says how the kernels are launched):
+What keeps the bits equal (launch.py holds the launch side of it):
 - Every contract constant is built with `tl.full(..., tl.float64)`: a bare Python float in
   a compiled Triton expression is typed fp32 and would be rounded (the interpreter does not
   round it, so the interpreter tests alone would not see the mistake; benchmarks/
@@ -82,7 +82,10 @@ OUT_BF16: tl.constexpr = tl.constexpr(2)
 
 
 @triton.jit
-def _scaled(x_row, keep_row, cols, in_range, tau, IS_BF16, HAS_TAU, HAS_KEEP):
+def _scaled(
+    x_row, keep_row, cols, in_range, tau,
+    IS_BF16: tl.constexpr, HAS_TAU: tl.constexpr, HAS_KEEP: tl.constexpr,
+):  # fmt: skip
     """(y, valid): y = fp32(x) / tau; valid = in range (real columns) and kept.
 
     bf16 logits are read as int16 bit patterns and widened exactly by a shift.

@@ -161,6 +161,7 @@ def _launch_options(cfg: LaunchConfig) -> dict:
 
 
 def row_max(logits, temperature, keep_mask, plan: ShardPlan, cfg=None):
+    """Backend.row_max; `cfg` None means the dtype's fixed configuration (tests vary it)."""
     n = logits.shape[0]
     if n == 0 or logits.shape[-1] == 0:
         return torch.full((n,), float("-inf"), dtype=torch.float32, device=logits.device)
@@ -177,6 +178,7 @@ def row_max(logits, temperature, keep_mask, plan: ShardPlan, cfg=None):
 
 
 def partials(logits, target, temperature, keep_mask, row_max_, plan, cfg=None):
+    """Backend.partials; the programs sharing a row are summed exactly (int64)."""
     n = logits.shape[0]
     if n == 0 or logits.shape[-1] == 0:
         return torch.zeros(n, contract.NUM_COLS, dtype=torch.int64, device=logits.device)
@@ -196,6 +198,7 @@ def partials(logits, target, temperature, keep_mask, row_max_, plan, cfg=None):
 
 
 def grad(logits, target, temperature, keep_mask, stats: GradStats, plan: ShardPlan, cfg=None):
+    """Backend.grad: one program per (row, block of columns), written as bit patterns."""
     n, num_cols = logits.shape
     out = torch.empty(n, num_cols, dtype=logits.dtype, device=logits.device)
     if n == 0 or num_cols == 0:
