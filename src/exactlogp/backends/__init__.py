@@ -8,11 +8,14 @@ import torch
 
 from .base import Backend, ShardPlan
 
-# name -> (module, class); "auto" picks the first one that supports the device.
+# name -> (module, class)
 _REGISTRY: dict[str, tuple[str, str]] = {
     "reference": ("exactlogp.backends.reference", "ReferenceBackend"),
+    "triton": ("exactlogp.backends.triton", "TritonBackend"),
 }
-_AUTO_ORDER = ("reference",)
+# "auto" picks the first (name, device types or None for any) that loads and supports the
+# device; Triton is offered only for CUDA (on CPU it would run in its slow interpreter).
+_AUTO_ORDER = (("triton", ("cuda",)), ("reference", None))
 _cache: dict[str, Backend] = {}
 
 
@@ -23,7 +26,9 @@ def backend_names() -> tuple[str, ...]:
 def get_backend(name: str, device: torch.device) -> Backend:
     """The backend called `name` (or the best for `device` when name == "auto")."""
     if name == "auto":
-        for candidate in _AUTO_ORDER:
+        for candidate, device_types in _AUTO_ORDER:
+            if device_types is not None and device.type not in device_types:
+                continue
             backend = _load(candidate)
             if backend is not None and backend.supports(device):
                 return backend
@@ -34,7 +39,10 @@ def get_backend(name: str, device: torch.device) -> Backend:
     if backend is None:
         raise ValueError(f"backend={name!r} is not available: {_load_errors[name]}")
     if not backend.supports(device):
-        raise ValueError(f"backend={name!r} does not support device {device}")
+        why = getattr(backend, "unsupported_reason", lambda _: None)(device)
+        raise ValueError(
+            f"backend={name!r} does not support device {device}" + (f": {why}" if why else "")
+        )
     return backend
 
 

@@ -1,0 +1,361 @@
+"""Triton kernels of contract exactlogp-v1: the max pass, the term pass and the gradient.
+
+Each kernel replays `exactlogp.contract` operation for operation, so its bits are the
+reference's on any GPU and under the Triton interpreter:
+
+  max pass     y = fp32(x) / tau -> running max of the valid, finite-or--inf y
+  term pass    d = y - M (fp64) -> exp_c -> quantize -> int64 limb sums, target, counters
+  gradient     d -> exp_c -> p = e / fl(S) -> g -> g / tau -> fp32 -> logits dtype
+
+What keeps the bits equal (launch.py holds the launch side of it):
+- Every contract constant is built with `tl.full(..., tl.float64)`: a bare Python float in
+  a compiled Triton expression is typed fp32 and would be rounded (the interpreter does not
+  round it, so the interpreter tests alone would not see the mistake; benchmarks/
+  triton_ptx_check.py checks every fp64 immediate of the compiled code). Only 0.0 and 1.0,
+  exact in fp32, appear bare.
+- fp32 division is `tl.math.div_rn` (plain `/` on fp32 lowers to the approximate
+  div.full); fp64 `/` lowers to div.rn.f64, the IEEE division.
+- No FMA: the kernels are launched with enable_fp_fusion=False, so every + - * is emitted
+  as a separately rounded .rn instruction that ptxas never contracts.
+- No exp/log from Triton or libdevice: exp_c is Cody-Waite + the contract's table and
+  polynomial in Horner order; 2^n is built from its bit pattern.
+- bf16 is widened and narrowed with integer bit operations (exact, and identical in the
+  interpreter, whose own bf16 conversions truncate).
+- Float -> int conversions are done by reading the magic-number sum's bit pattern; every
+  value reaching one is finite and in range (d is zeroed outside [CUTOFF, 0]).
+- NaN gradients are written with the bit patterns the reference produces on the CPU.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import triton
+import triton.language as tl
+
+from ... import contract
+
+
+def _bits(value: float) -> int:
+    return struct.unpack("<q", struct.pack("<d", value))[0]
+
+
+# --- the contract's numbers, as compile-time constants (defined once, in contract.py) ---
+
+CUTOFF: tl.constexpr = tl.constexpr(contract.CUTOFF)
+MAGIC: tl.constexpr = tl.constexpr(contract.MAGIC)
+MAGIC_BITS: tl.constexpr = tl.constexpr(_bits(contract.MAGIC))
+LIMB_SCALE: tl.constexpr = tl.constexpr(contract.LIMB_SCALE)
+INV_LN2_32: tl.constexpr = tl.constexpr(contract.INV_LN2_32)
+LN2_32_HI: tl.constexpr = tl.constexpr(contract.LN2_32_HI)
+LN2_32_LO: tl.constexpr = tl.constexpr(contract.LN2_32_LO)
+P6: tl.constexpr = tl.constexpr(contract.EXP_POLY[0])  # 1/6!
+P5: tl.constexpr = tl.constexpr(contract.EXP_POLY[1])
+P4: tl.constexpr = tl.constexpr(contract.EXP_POLY[2])
+P3: tl.constexpr = tl.constexpr(contract.EXP_POLY[3])
+P2: tl.constexpr = tl.constexpr(contract.EXP_POLY[4])
+P1: tl.constexpr = tl.constexpr(contract.EXP_POLY[5])
+P0: tl.constexpr = tl.constexpr(contract.EXP_POLY[6])  # 1/0!
+NUM_COLS: tl.constexpr = tl.constexpr(contract.NUM_COLS)
+COL_E_HI: tl.constexpr = tl.constexpr(contract.COL_E_HI)
+COL_E_LO: tl.constexpr = tl.constexpr(contract.COL_E_LO)
+COL_W_HI: tl.constexpr = tl.constexpr(contract.COL_W_HI)
+COL_W_LO: tl.constexpr = tl.constexpr(contract.COL_W_LO)
+COL_TARGET_BITS: tl.constexpr = tl.constexpr(contract.COL_TARGET_BITS)
+COL_OWNERS: tl.constexpr = tl.constexpr(contract.COL_OWNERS)
+COL_TARGET_MASKED: tl.constexpr = tl.constexpr(contract.COL_TARGET_MASKED)
+COL_NONFINITE: tl.constexpr = tl.constexpr(contract.COL_NONFINITE)
+
+# Bit patterns of the NaN the reference writes into a NaN row's gradient on the CPU:
+# fp64 NaN -> fp32 0x7fc00000 -> fp16 0x7e00 / bf16 0xffff (torch's vectorised conversion).
+NAN_F32: tl.constexpr = tl.constexpr(0x7FC00000)
+NAN_F16: tl.constexpr = tl.constexpr(0x7E00)
+NAN_BF16: tl.constexpr = tl.constexpr(0xFFFF)
+
+# Output dtype codes of the gradient kernel (constexpr OUT_KIND).
+OUT_F32: tl.constexpr = tl.constexpr(0)
+OUT_F16: tl.constexpr = tl.constexpr(1)
+OUT_BF16: tl.constexpr = tl.constexpr(2)
+
+
+# --- 1. upcast and temperature ---
+
+
+@triton.jit
+def _scaled(
+    x_row, keep_row, cols, in_range, tau,
+    IS_BF16: tl.constexpr, HAS_TAU: tl.constexpr, HAS_KEEP: tl.constexpr,
+):  # fmt: skip
+    """(y, valid): y = fp32(x) / tau; valid = in range (real columns) and kept.
+
+    bf16 logits are read as int16 bit patterns and widened exactly by a shift.
+    """
+    if IS_BF16:
+        raw = tl.load(x_row + cols, mask=in_range, other=0)
+        y = (raw.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+    else:
+        y = tl.load(x_row + cols, mask=in_range, other=0.0).to(tl.float32)
+    if HAS_TAU:
+        y = tl.math.div_rn(y, tau)  # IEEE fp32 division, round to nearest even
+    valid = in_range
+    if HAS_KEEP:
+        valid = valid & (tl.load(keep_row + cols, mask=in_range, other=0) != 0)
+    return y, valid
+
+
+# --- 3. contract exponential ---
+
+
+@triton.jit
+def _exp_c(d, table_ptr):
+    """contract.exp_c for fp64 d in [CUTOFF, 0]."""
+    magic = tl.full([], MAGIC, tl.float64)
+    big = d * tl.full([], INV_LN2_32, tl.float64) + magic
+    kd = big - magic  # rint(d * 32 / ln2), round half to even
+    # k = int(kd): big = MAGIC + k holds k in its low bits, and MAGIC's low word is 0.
+    k = big.to(tl.int64, bitcast=True).to(tl.int32)
+    r = (d - kd * tl.full([], LN2_32_HI, tl.float64)) - kd * tl.full([], LN2_32_LO, tl.float64)
+    p = tl.full([], P6, tl.float64)
+    p = p * r + tl.full([], P5, tl.float64)  # Horner, each step two roundings (no FMA)
+    p = p * r + tl.full([], P4, tl.float64)
+    p = p * r + tl.full([], P3, tl.float64)
+    p = p * r + tl.full([], P2, tl.float64)
+    p = p * r + tl.full([], P1, tl.float64)
+    p = p * r + tl.full([], P0, tl.float64)
+    table = tl.load(table_ptr + (k & 31))
+    scale = (((k >> 5) + 1023).to(tl.int64) << 52).to(tl.float64, bitcast=True)  # 2^(k >> 5)
+    return (table * p) * scale
+
+
+# --- 4. quantize ---
+
+
+@triton.jit
+def _quantize(v):
+    """contract.quantize for v in [0, 1] (or -0): (hi, lo) int64 limbs.
+
+    floor and rint are read from the bit pattern of s + MAGIC instead of converting a
+    float to an integer: the same integers, with no conversion instruction.
+    """
+    magic = tl.full([], MAGIC, tl.float64)
+    scale = tl.full([], LIMB_SCALE, tl.float64)
+    s = v * scale  # exact
+    big = s + magic  # MAGIC + rint(s), exact since 0 <= s <= 2^42
+    near = big - magic
+    up = near > s  # rint rounded up: floor(s) is one less
+    hi = big.to(tl.int64, bitcast=True) - MAGIC_BITS - up.to(tl.int64)
+    rem = s - tl.where(up, near - 1.0, near)  # s - floor(s), exact
+    lo = (rem * scale + magic).to(tl.int64, bitcast=True) - MAGIC_BITS  # rint, exact
+    return hi, lo
+
+
+@triton.jit
+def _terms(y, valid, m64):
+    """(dz, term): term = valid & CUTOFF <= d <= 0 for d = y - M in fp64 (false for NaN);
+    dz = d on terms, 0 elsewhere, so exp_c only ever sees [CUTOFF, 0]."""
+    d = y.to(tl.float64) - m64
+    term = valid & (d >= tl.full([], CUTOFF, tl.float64)) & (d <= 0.0)
+    return tl.where(term, d, 0.0), term
+
+
+@triton.jit
+def _owned_column(target_ptr, row, vocab_start, n_real, ignore_index):
+    """(owner, local column) of this row's target: owned when it is a real column here."""
+    target = tl.load(target_ptr + row)
+    local = target - vocab_start
+    owner = (target != ignore_index) & (local >= 0) & (local < n_real)
+    return owner, tl.where(owner, local, 0).to(tl.int32)
+
+
+# --- 2. the max pass ---
+
+
+@triton.jit
+def row_max_kernel(
+    x_ptr,  # [N, V_local] logits, row stride stride_x (bf16 passed as int16)
+    keep_ptr,  # [N, V_local] uint8 keep mask (unused unless HAS_KEEP)
+    tau_ptr,  # [N] fp32 temperature, stride_tau 0 for a scalar (unused unless HAS_TAU)
+    out_ptr,  # [N, num_programs(1)] fp32 partial maxima
+    stride_x,
+    stride_keep,
+    stride_tau,
+    n_real,  # local columns below the padding
+    cols_per_program,  # a multiple of BLOCK_V
+    IS_BF16: tl.constexpr,
+    HAS_TAU: tl.constexpr,
+    HAS_KEEP: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    row = tl.program_id(0)
+    part = tl.program_id(1)
+    row64 = row.to(tl.int64)
+    x_row = x_ptr + row64 * stride_x
+    keep_row = keep_ptr + row64 * stride_keep
+    tau = tl.load(tau_ptr + row64 * stride_tau) if HAS_TAU else 1.0
+    start = part * cols_per_program
+    stop = tl.minimum(start + cols_per_program, n_real)
+    offs = tl.arange(0, BLOCK_V)
+    acc = tl.full([BLOCK_V], float("-inf"), tl.float32)
+    for c0 in range(start, stop, BLOCK_V):
+        cols = c0 + offs
+        in_range = cols < stop
+        y, valid = _scaled(x_row, keep_row, cols, in_range, tau, IS_BF16, HAS_TAU, HAS_KEEP)
+        ok = valid & (y == y) & (y != float("inf"))  # NaN and +inf are counted, not maxed
+        acc = tl.maximum(acc, tl.where(ok, y, float("-inf")))
+    tl.store(out_ptr + row64 * tl.num_programs(1) + part, tl.max(acc, axis=0))
+
+
+# --- 3-5. the term pass ---
+
+
+@triton.jit
+def partials_kernel(
+    x_ptr,  # [N, V_local] logits, row stride stride_x (bf16 passed as int16)
+    keep_ptr,  # [N, V_local] uint8 keep mask (unused unless HAS_KEEP)
+    tau_ptr,  # [N] fp32 temperature, stride_tau 0 for a scalar (unused unless HAS_TAU)
+    max_ptr,  # [N] fp32 global row max
+    target_ptr,  # [N] int64 global target ids
+    table_ptr,  # [32] fp64 contract.EXP2_TABLE
+    out_ptr,  # [N, num_programs(1), NUM_COLS] int64 partial records
+    stride_x,
+    stride_keep,
+    stride_tau,
+    n_real,  # local columns below the padding
+    vocab_start,
+    ignore_index,
+    cols_per_program,  # a multiple of BLOCK_V
+    IS_BF16: tl.constexpr,
+    HAS_TAU: tl.constexpr,
+    HAS_KEEP: tl.constexpr,
+    WITH_ENTROPY: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    row = tl.program_id(0)
+    part = tl.program_id(1)
+    row64 = row.to(tl.int64)
+    x_row = x_ptr + row64 * stride_x
+    keep_row = keep_ptr + row64 * stride_keep
+    tau = tl.load(tau_ptr + row64 * stride_tau) if HAS_TAU else 1.0
+    m64 = tl.load(max_ptr + row).to(tl.float64)
+    start = part * cols_per_program
+    stop = tl.minimum(start + cols_per_program, n_real)
+    offs = tl.arange(0, BLOCK_V)
+
+    e_hi = tl.zeros([], tl.int64)
+    e_lo = tl.zeros([], tl.int64)
+    w_hi = tl.zeros([], tl.int64)
+    w_lo = tl.zeros([], tl.int64)
+    nonfinite = tl.zeros([], tl.int64)
+    for c0 in range(start, stop, BLOCK_V):
+        cols = c0 + offs
+        in_range = cols < stop
+        y, valid = _scaled(x_row, keep_row, cols, in_range, tau, IS_BF16, HAS_TAU, HAS_KEEP)
+        dz, term = _terms(y, valid, m64)
+        e = tl.where(term, _exp_c(dz, table_ptr), 0.0)
+        hi, lo = _quantize(e)
+        e_hi += tl.sum(hi, axis=0)  # int64 sums: exact in any order
+        e_lo += tl.sum(lo, axis=0)
+        if WITH_ENTROPY:
+            hi, lo = _quantize(e * (-dz))
+            w_hi += tl.sum(hi, axis=0)
+            w_lo += tl.sum(lo, axis=0)
+        bad = valid & ((y != y) | (y == float("inf")))
+        nonfinite += tl.sum(bad.to(tl.int32), axis=0).to(tl.int64)
+
+    rec = out_ptr + (row64 * tl.num_programs(1) + part) * NUM_COLS
+    tl.store(rec + COL_E_HI, e_hi)
+    tl.store(rec + COL_E_LO, e_lo)
+    tl.store(rec + COL_W_HI, w_hi)
+    tl.store(rec + COL_W_LO, w_lo)
+    tl.store(rec + COL_NONFINITE, nonfinite)
+
+    # --- the target: its fp32 bits, owner and masked counts, from program 0 of the row ---
+    owner, t_col = _owned_column(target_ptr, row, vocab_start, n_real, ignore_index)
+    owner = owner & (part == 0)
+    y_t, kept = _scaled(x_row, keep_row, t_col, owner, tau, IS_BF16, HAS_TAU, HAS_KEEP)
+    bits = y_t.to(tl.int32, bitcast=True).to(tl.int64)  # sign-extended, as the reference
+    masked = (owner & ~kept).to(tl.int64)
+    tl.store(rec + COL_TARGET_BITS, tl.where(owner, bits, 0))
+    tl.store(rec + COL_OWNERS, owner.to(tl.int64))
+    tl.store(rec + COL_TARGET_MASKED, masked)
+
+
+# --- backward: elementwise from the saved per-row statistics ---
+
+
+@triton.jit
+def _store_grad(out_ptr, offs, mask, g, row_nan, OUT_KIND: tl.constexpr):
+    """fp64 -> fp32 -> out dtype, each step round to nearest even, written as bits."""
+    g32 = g.to(tl.float32)
+    is_nan = (g32 != g32) | row_nan
+    if OUT_KIND == OUT_F32:
+        bits = tl.where(is_nan, NAN_F32, g32.to(tl.int32, bitcast=True))
+        tl.store(out_ptr + offs, bits, mask=mask)
+    elif OUT_KIND == OUT_F16:
+        h = g32.to(tl.float16).to(tl.int16, bitcast=True)
+        bits = tl.where(is_nan, NAN_F16, h.to(tl.int32))
+        tl.store(out_ptr + offs, bits.to(tl.int16), mask=mask)
+    else:
+        u = g32.to(tl.uint32, bitcast=True)
+        rounded = (u + 0x7FFF + ((u >> 16) & 1)) >> 16  # round to nearest even, exact
+        bits = tl.where(is_nan, NAN_BF16, rounded.to(tl.int32))
+        tl.store(out_ptr + offs, bits.to(tl.int16), mask=mask)
+
+
+@triton.jit
+def grad_kernel(
+    x_ptr,  # [N, V_local] logits, row stride stride_x (bf16 passed as int16)
+    keep_ptr,  # [N, V_local] uint8 keep mask (unused unless HAS_KEEP)
+    tau_ptr,  # [N] fp32 temperature for y, stride_tau 0 for a scalar
+    tau64_ptr,  # [N] fp64 temperature the gradient is divided by, same stride
+    target_ptr,  # [N] int64 global target ids
+    table_ptr,  # [32] fp64 contract.EXP2_TABLE
+    max_ptr,  # [N] fp32 global row max
+    s_hi_ptr,  # [N] fp64 fl(S)
+    log_s_ptr,  # [N] fp64
+    ent_ptr,  # [N] fp64 entropy before rounding
+    coef_a_ptr,  # [N] fp64
+    coef_b_ptr,  # [N] fp64
+    coef_t_ptr,  # [N] fp64
+    row_nan_ptr,  # [N] uint8
+    out_ptr,  # [N, V_local] contiguous, written as int32 / int16 bit patterns
+    stride_x,
+    stride_keep,
+    stride_tau,
+    n_cols,
+    n_real,
+    vocab_start,
+    ignore_index,
+    IS_BF16: tl.constexpr,
+    HAS_TAU: tl.constexpr,
+    HAS_KEEP: tl.constexpr,
+    WITH_ENTROPY: tl.constexpr,
+    OUT_KIND: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    row = tl.program_id(0)
+    row64 = row.to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    in_cols = cols < n_cols
+    real = cols < n_real
+    tau = tl.load(tau_ptr + row64 * stride_tau) if HAS_TAU else 1.0
+    y, valid = _scaled(
+        x_ptr + row64 * stride_x, keep_ptr + row64 * stride_keep, cols, real, tau,
+        IS_BF16, HAS_TAU, HAS_KEEP,
+    )  # fmt: skip
+    dz, term = _terms(y, valid, tl.load(max_ptr + row).to(tl.float64))
+    p = _exp_c(dz, table_ptr) / tl.load(s_hi_ptr + row)  # fp64 `/` is IEEE div.rn.f64
+    coef_a = tl.load(coef_a_ptr + row)
+    if WITH_ENTROPY:
+        q = (dz - tl.load(log_s_ptr + row)) + tl.load(ent_ptr + row)
+        g = p * (coef_a - tl.load(coef_b_ptr + row) * q)
+    else:
+        g = p * coef_a
+    g = tl.where(term, g, 0.0)
+    owner, t_col = _owned_column(target_ptr, row, vocab_start, n_real, ignore_index)
+    is_t = owner & (cols == t_col)
+    g = tl.where(is_t, g + tl.load(coef_t_ptr + row), g)
+    if HAS_TAU:
+        g = g / tl.load(tau64_ptr + row64 * stride_tau)
+    row_nan = tl.load(row_nan_ptr + row) != 0
+    _store_grad(out_ptr + row64 * n_cols, cols, in_cols, g, row_nan, OUT_KIND)

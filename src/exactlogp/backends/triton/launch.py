@@ -1,0 +1,252 @@
+"""Launching the Triton kernels: fixed configurations, argument preparation, the Backend.
+
+Launch rules that the bits depend on:
+- enable_fp_fusion=False on every launch, so no add/mul pair is contracted into an FMA
+  (the interpreter never fuses; on a GPU this is what keeps exp_c's Horner steps and the
+  quantisation two separately rounded operations).
+- One fixed configuration per dtype (no autotuning). The partial records and maxima of
+  the programs that share a row are combined exactly (int64 sum, max), so how many
+  programs split a row changes the speed, never the bits.
+
+Where it runs: CUDA tensors on a GPU, or CPU tensors when the kernels were defined under
+TRITON_INTERPRET=1 (the Triton interpreter executes them with numpy, for testing).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from ... import contract
+from ...contract import GradStats
+from ..base import Backend, ShardPlan
+from . import kernels
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    block_v: int  # columns per step of a program's loop (a power of two)
+    num_warps: int
+    num_stages: int = 2
+
+
+@dataclass(frozen=True)
+class DtypeConfigs:
+    max_pass: LaunchConfig  # memory bound: wide blocks
+    term_pass: LaunchConfig  # fp64 bound: ~35 binary64 operations per logit
+    grad: LaunchConfig  # fp64 bound, one block of columns per program
+
+
+# Fixed per logits dtype. The max pass reads 32 bytes per thread per loop step (~50-70
+# registers, so several programs share a multiprocessor and keep HBM busy); the fp64
+# passes keep 8 logits per thread (~110 registers with entropy, no spills on sm_90;
+# benchmarks/triton_ptx_check.py prints the figures).
+_FP64_PASS = LaunchConfig(block_v=1024, num_warps=4)
+CONFIGS: dict[torch.dtype, DtypeConfigs] = {
+    torch.bfloat16: DtypeConfigs(LaunchConfig(4096, 8), _FP64_PASS, _FP64_PASS),
+    torch.float16: DtypeConfigs(LaunchConfig(4096, 8), _FP64_PASS, _FP64_PASS),
+    torch.float32: DtypeConfigs(LaunchConfig(2048, 8), _FP64_PASS, _FP64_PASS),
+}
+
+# Aim for this many programs per multiprocessor when splitting rows across programs.
+PROGRAMS_PER_SM = 8
+
+_GRAD_KIND = {
+    torch.float32: (kernels.OUT_F32.value, torch.int32),
+    torch.float16: (kernels.OUT_F16.value, torch.int16),
+    torch.bfloat16: (kernels.OUT_BF16.value, torch.int16),
+}
+
+
+def interpreted() -> bool:
+    """True when the kernels were defined under TRITON_INTERPRET=1."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(kernels.partials_kernel, InterpretedFunction)
+
+
+# --- argument preparation ---
+
+
+@dataclass(frozen=True)
+class _Prepared:
+    x: torch.Tensor  # logits with unit column stride; bf16 viewed as int16
+    keep: torch.Tensor  # uint8 keep mask, or a stand-in pointer
+    tau: torch.Tensor  # fp32 (N,) or (1,)
+    tau64: torch.Tensor  # fp64 (N,) or (1,)
+    stride_tau: int
+    has_tau: bool
+    n_real: int  # local columns below the padding
+
+
+def _prepare(logits, temperature, keep_mask, plan: ShardPlan) -> _Prepared:
+    x = logits if logits.stride(-1) == 1 else logits.contiguous()
+    if x.dtype == torch.bfloat16:
+        x = x.view(torch.int16)  # widened to fp32 by bit operations in the kernel
+    keep = x if keep_mask is None else _unit_stride(keep_mask).view(torch.uint8)
+    dev = logits.device
+    if isinstance(temperature, torch.Tensor):
+        tau = temperature.to(device=dev, dtype=torch.float32).contiguous()
+        tau64, stride_tau, has_tau = tau.to(torch.float64), 1, True
+    elif temperature != 1.0:
+        # y divides by tau rounded to fp32; the gradient divides by the float itself,
+        # exactly as contract.scaled_logits and contract.grad_block do. torch.full keeps
+        # the host from waiting on the device (no copy from host memory).
+        tau = torch.full((1,), temperature, dtype=torch.float32, device=dev)
+        tau64 = torch.full((1,), temperature, dtype=torch.float64, device=dev)
+        stride_tau, has_tau = 0, True
+    else:  # a division by exactly 1.0 is the identity: the kernels skip it
+        tau = tau64 = x
+        stride_tau, has_tau = 0, False
+    num_cols = logits.shape[-1]
+    n_real = num_cols
+    if plan.vocab_size is not None:
+        n_real = max(0, min(num_cols, plan.vocab_size - plan.vocab_start))
+    return _Prepared(x, keep, tau, tau64, stride_tau, has_tau, n_real)
+
+
+def _unit_stride(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+_tables: dict[torch.device, torch.Tensor] = {}
+
+
+def _exp2_table(device: torch.device) -> torch.Tensor:
+    if device not in _tables:
+        _tables[device] = torch.tensor(contract.EXP2_TABLE, dtype=torch.float64, device=device)
+    return _tables[device]
+
+
+def _target_programs(device: torch.device) -> int:
+    """How many programs a launch should have to fill the device (1 in the interpreter)."""
+    if device.type != "cuda":
+        return 1
+    return PROGRAMS_PER_SM * _sm_count(device.index)
+
+
+@functools.cache
+def _sm_count(index: int | None) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _programs_per_row(num_rows: int, n_real: int, cfg: LaunchConfig, device) -> tuple[int, int]:
+    """(programs per row, columns per program): rows are split only when they are few."""
+    blocks = max(1, -(-n_real // cfg.block_v))
+    parts = min(blocks, max(1, -(-_target_programs(device) // max(num_rows, 1))))
+    per_program = -(-blocks // parts) * cfg.block_v
+    return -(-max(n_real, 1) // per_program), per_program
+
+
+def _common(prep: _Prepared, keep_mask, dtype: torch.dtype) -> dict:
+    return dict(
+        IS_BF16=dtype == torch.bfloat16,
+        HAS_TAU=prep.has_tau,
+        HAS_KEEP=keep_mask is not None,
+    )
+
+
+def _launch_options(cfg: LaunchConfig) -> dict:
+    return dict(
+        BLOCK_V=cfg.block_v,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+        enable_fp_fusion=False,
+    )
+
+
+# --- the three local passes ---
+
+
+def row_max(logits, temperature, keep_mask, plan: ShardPlan, cfg=None):
+    """Backend.row_max; `cfg` None means the dtype's fixed configuration (tests vary it)."""
+    n = logits.shape[0]
+    if n == 0 or logits.shape[-1] == 0:
+        return torch.full((n,), float("-inf"), dtype=torch.float32, device=logits.device)
+    cfg = cfg or CONFIGS[logits.dtype].max_pass
+    prep = _prepare(logits, temperature, keep_mask, plan)
+    parts, per_program = _programs_per_row(n, prep.n_real, cfg, logits.device)
+    out = torch.empty(n, parts, dtype=torch.float32, device=logits.device)
+    kernels.row_max_kernel[(n, parts)](
+        prep.x, prep.keep, prep.tau, out,
+        prep.x.stride(0), prep.keep.stride(0), prep.stride_tau, prep.n_real, per_program,
+        **_common(prep, keep_mask, logits.dtype), **_launch_options(cfg),
+    )  # fmt: skip
+    return out[:, 0] if parts == 1 else out.amax(dim=1)
+
+
+def partials(logits, target, temperature, keep_mask, row_max_, plan, cfg=None):
+    """Backend.partials; the programs sharing a row are summed exactly (int64)."""
+    n = logits.shape[0]
+    if n == 0 or logits.shape[-1] == 0:
+        return torch.zeros(n, contract.NUM_COLS, dtype=torch.int64, device=logits.device)
+    cfg = cfg or CONFIGS[logits.dtype].term_pass
+    prep = _prepare(logits, temperature, keep_mask, plan)
+    parts, per_program = _programs_per_row(n, prep.n_real, cfg, logits.device)
+    out = torch.empty(n, parts, contract.NUM_COLS, dtype=torch.int64, device=logits.device)
+    kernels.partials_kernel[(n, parts)](
+        prep.x, prep.keep, prep.tau, row_max_.to(torch.float32).contiguous(),
+        target.to(torch.int64).contiguous(), _exp2_table(logits.device), out,
+        prep.x.stride(0), prep.keep.stride(0), prep.stride_tau,
+        prep.n_real, plan.vocab_start, plan.ignore_index, per_program,
+        WITH_ENTROPY=plan.with_entropy,
+        **_common(prep, keep_mask, logits.dtype), **_launch_options(cfg),
+    )  # fmt: skip
+    return out[:, 0] if parts == 1 else out.sum(dim=1)
+
+
+def grad(logits, target, temperature, keep_mask, stats: GradStats, plan: ShardPlan, cfg=None):
+    """Backend.grad: one program per (row, block of columns), written as bit patterns."""
+    n, num_cols = logits.shape
+    out = torch.empty(n, num_cols, dtype=logits.dtype, device=logits.device)
+    if n == 0 or num_cols == 0:
+        return out
+    cfg = cfg or CONFIGS[logits.dtype].grad
+    prep = _prepare(logits, temperature, keep_mask, plan)
+    kind, bits_dtype = _GRAD_KIND[logits.dtype]
+    f64 = lambda t: t.to(torch.float64).contiguous()  # noqa: E731
+    grid = (n, -(-num_cols // cfg.block_v))
+    kernels.grad_kernel[grid](
+        prep.x, prep.keep, prep.tau, prep.tau64, target.to(torch.int64).contiguous(),
+        _exp2_table(logits.device), stats.row_max.to(torch.float32).contiguous(),
+        f64(stats.s_hi), f64(stats.log_s), f64(stats.entropy64),
+        f64(stats.coef_a), f64(stats.coef_b), f64(stats.coef_t),
+        stats.row_nan.to(torch.uint8).contiguous(), out.view(bits_dtype),
+        prep.x.stride(0), prep.keep.stride(0), prep.stride_tau,
+        num_cols, prep.n_real, plan.vocab_start, plan.ignore_index,
+        WITH_ENTROPY=plan.with_entropy, OUT_KIND=kind,
+        **_common(prep, keep_mask, logits.dtype), **_launch_options(cfg),
+    )  # fmt: skip
+    return out
+
+
+class TritonBackend(Backend):
+    """contract v1 on a GPU through Triton (or on CPU tensors under TRITON_INTERPRET=1)."""
+
+    name = "triton"
+
+    def supports(self, device: torch.device) -> bool:
+        return self.unsupported_reason(device) is None
+
+    def unsupported_reason(self, device: torch.device) -> str | None:
+        if device.type == "cuda":
+            return None if torch.cuda.is_available() else "CUDA is not available"
+        if device.type == "cpu":
+            if interpreted():
+                return None
+            return (
+                "CPU tensors run only under the Triton interpreter: set TRITON_INTERPRET=1 "
+                "before exactlogp's Triton kernels are imported (slow; for testing)"
+            )
+        return f"the Triton backend runs on CUDA devices, not {device.type}"
+
+    def row_max(self, logits, temperature, keep_mask, plan):
+        return row_max(logits, temperature, keep_mask, plan)
+
+    def partials(self, logits, target, temperature, keep_mask, row_max_, plan):
+        return partials(logits, target, temperature, keep_mask, row_max_, plan)
+
+    def grad(self, logits, target, temperature, keep_mask, stats: GradStats, plan):
+        return grad(logits, target, temperature, keep_mask, stats, plan)
