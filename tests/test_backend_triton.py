@@ -1,22 +1,17 @@
 """The Triton backend gives the reference backend's bits (bitwise claims, no tolerance).
 
 Without a GPU the kernels run on the CPU in the Triton interpreter (TRITON_INTERPRET=1, set
-below before the kernels are defined), so every case is small; with one they run on it and
+by conftest.py before the kernels are defined), so every case is small; with one they run on it and
 are compared with the reference on the CPU. benchmarks/gpu_check.py does the same on large
 shapes.
 """
 
 import os
+import subprocess
+import sys
 
+import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before exactlogp's kernels are defined
-
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-
-import pytest  # noqa: E402
 
 triton = pytest.importorskip("triton", reason="Triton is not installed: no Triton backend")
 tl = triton.language

@@ -123,7 +123,7 @@ def valid_columns(
 def masked_row_max(y: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """Max over valid columns; NaN and +inf do not take part (they are counted instead)."""
     ok = valid & (y != float("inf")) & ~torch.isnan(y)
-    neg_inf = torch.tensor(float("-inf"), dtype=y.dtype, device=y.device)
+    neg_inf = torch.full((), float("-inf"), dtype=y.dtype, device=y.device)
     y = torch.where(ok, y, neg_inf)
     if y.shape[-1] == 0:
         return torch.full(y.shape[:-1], float("-inf"), dtype=y.dtype, device=y.device)
@@ -305,7 +305,7 @@ def finalize(
     lse64 = m64 + log_s
     entropy64 = log_s + wh / sh
 
-    nan = torch.tensor(float("nan"), dtype=torch.float64, device=log_s.device)
+    nan = torch.full((), float("nan"), dtype=torch.float64, device=log_s.device)
     zero = torch.zeros((), dtype=torch.float64, device=log_s.device)
 
     def _finish(v: torch.Tensor) -> torch.Tensor:

@@ -217,12 +217,18 @@ def sha256(*tensors: torch.Tensor) -> str:
 
 
 def assert_bitwise_equal(actual: torch.Tensor, expected: torch.Tensor, what: str = "") -> None:
-    """torch.equal, treating NaN as equal to NaN only when the bit patterns match."""
+    """Equal bits everywhere, and NaN exactly where the other has NaN.
+
+    The contract fixes where NaN appears, not its sign or payload (docs/numerics.md, §7).
+    """
     if actual.dtype != expected.dtype or actual.shape != expected.shape:
         raise AssertionError(
             f"{what}: {actual.dtype}{tuple(actual.shape)} vs {expected.dtype}{tuple(expected.shape)}"
         )
     a, b = _bits(actual), _bits(expected)
+    if actual.is_floating_point():
+        nan_a, nan_b = torch.isnan(actual.detach().cpu()), torch.isnan(expected.detach().cpu())
+        a, b = torch.where(nan_a & nan_b, 0, a), torch.where(nan_a & nan_b, 0, b)
     if not torch.equal(a, b):
         bad = torch.nonzero(a != b)
         first = tuple(int(i) for i in bad[0])
