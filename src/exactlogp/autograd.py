@@ -2,7 +2,7 @@
 
 logits shard --backend.row_max--> (N,) fp32 --all_reduce(MAX)--> M
 logits shard --backend.partials(M)--> (N, 8) int64 --all_reduce(SUM)--> record
-record --contract.finalize--> logprobs, entropy, lse (fp32) + per-row stats
+record --backend.finalize (= contract.finalize)--> logprobs, entropy, lse + row stats
 backward: backend.grad(logits, stats) -- elementwise, no collective
 """
 
@@ -48,7 +48,7 @@ def forward_pipeline(
     bad_tau = None
     if isinstance(temperature, torch.Tensor):
         bad_tau = ~(torch.isfinite(temperature) & (temperature > 0))
-    fin = contract.finalize(row_max, record, target, plan.vocab_size, plan.ignore_index, bad_tau)
+    fin = backend.finalize(row_max, record, target, plan.vocab_size, plan.ignore_index, bad_tau)
     if opts.validate:
         validation.raise_for_bad_rows(
             fin.bad, record, target, opts.target_shape, temperature,

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import contract
 from ..contract import GradStats
 
 
@@ -38,6 +39,10 @@ class Backend:
     def partials(self, logits, target, temperature, keep_mask, row_max, plan) -> torch.Tensor:
         """(N, contract.NUM_COLS) int64: this shard's exact row record."""
         raise NotImplementedError
+
+    def finalize(self, row_max, record, target, vocab_size, ignore_index, bad_temperature):
+        """Stage 7 on the combined record; a backend may fuse it, with the same bits."""
+        return contract.finalize(row_max, record, target, vocab_size, ignore_index, bad_temperature)
 
     def grad(self, logits, target, temperature, keep_mask, stats: GradStats, plan) -> torch.Tensor:
         """(N, V_local) in logits.dtype: the gradient shard."""
