@@ -1,5 +1,5 @@
 """On a CUDA device the reference backend gives the CPU bits, and validate=False never
-synchronizes with the host. Skipped without a GPU."""
+synchronizes with the host (reference and Triton backends). Skipped without a GPU."""
 
 import pytest
 import torch
@@ -36,3 +36,18 @@ def test_validate_false_does_not_sync():
         exactlogp.selected_logprobs(x, t, validate=False, with_entropy=True, backend="reference")
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+def test_triton_validate_false_does_not_sync():
+    pytest.importorskip("triton", reason="Triton is not installed")
+    x, t = llm_like_logits(8, 999, torch.bfloat16, seed=4)
+    x, t = x.cuda(), t.cuda()
+    tau = torch.full((8,), 0.7, device="cuda")
+    for temperature in (1.0, 0.7, tau):
+        kwargs = dict(validate=False, with_entropy=True, temperature=temperature)
+        exactlogp.selected_logprobs(x, t, backend="triton", **kwargs)  # warm-up: compiles
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            exactlogp.selected_logprobs(x, t, backend="triton", **kwargs)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")

@@ -67,6 +67,135 @@ def python_random_logits(
     return torch.tensor(rows, dtype=torch.float64).to(dtype), torch.tensor(targets)
 
 
+class FinalizeInputs(NamedTuple):
+    """Arguments of `contract.finalize` (and Backend.finalize) after the all_reduce."""
+
+    row_max: torch.Tensor  # (N,) fp32
+    record: torch.Tensor  # (N, NUM_COLS) int64
+    target: torch.Tensor  # (N,) int64
+    vocab_size: int | None
+    ignore_index: int
+    bad_temperature: torch.Tensor | None  # (N,) bool
+
+
+def finalize_inputs(
+    num_rows: int,
+    seed: int = 0,
+    vocab_size: int | None = 1000,
+    ignore_index: int = -100,
+    with_bad_temperature: bool = True,
+) -> FinalizeInputs:
+    """Combined row records drawn directly, for testing finalize on its own (CPU tensors).
+
+    Well-formed rows (one owner, S >= 1) take limb sums from every region: S exactly 1 or
+    a few units of 2^-84 above, uniform and log-uniform sums up to 2^62, low limbs that
+    carry into the high limb, high limbs whose int64 -> fp64 conversion is a tie, S on
+    either side of a power of two and of 2^k sqrt(1/2) (where log_c's reduction changes),
+    W zero (no entropy) or not, and fp32 maxima and target logits from subnormal to huge.
+    Other rows carry each BAD_* condition alone and together (S then arbitrary, even 0),
+    are ignored (with garbage flags that must not count), or are beyond what the local
+    passes can produce (S = 0 or negative limb sums in a well-formed row; the contract
+    then gives NaN or garbage, which a backend must still reproduce).
+    """
+    rng = random.Random(seed)
+    rows = [_finalize_row(rng, vocab_size, ignore_index) for _ in range(num_rows)]
+    row_max = torch.tensor([r[0] for r in rows], dtype=torch.float32)
+    record = torch.tensor([r[1] for r in rows], dtype=torch.int64).reshape(-1, contract.NUM_COLS)
+    target = torch.tensor([r[2] for r in rows], dtype=torch.int64)
+    bad_tau = torch.tensor([r[3] for r in rows], dtype=torch.bool)
+    return FinalizeInputs(
+        row_max, record, target, vocab_size, ignore_index,
+        bad_tau if with_bad_temperature else None,
+    )  # fmt: skip
+
+
+_ONE = 1 << (2 * contract.FRAC_BITS)  # S = 1 in units of 2^-84
+_SQRT_HALF_MANT = int(contract.SQRT_HALF * 2**53)  # SQRT_HALF = _SQRT_HALF_MANT * 2^-53
+
+
+def _random_f32(rng: random.Random) -> float:
+    kind = rng.randrange(6)
+    if kind == 0:
+        return rng.choice([0.0, -0.0, 2.0**-149, -(2.0**-140), 3.4e38, -3.4e38, 1.0])
+    if kind == 1:
+        return rng.uniform(-1.0, 1.0) * 2.0 ** rng.randrange(-149, 128)
+    return rng.gauss(0.0, 10.0)
+
+
+def _limb_sum(rng: random.Random) -> int:
+    """S in units of 2^-84, S >= 1, from a region chosen at random."""
+    kind = rng.randrange(7)
+    if kind == 0:
+        return _ONE + rng.choice([0, 0, 1, 2, (1 << 42) - 1, 1 << 42, rng.randrange(1 << 42)])
+    if kind == 1:
+        return _ONE + rng.randrange((1 << 104) - _ONE)  # high limb uniform below 2^62
+    if kind == 2:
+        return _ONE + rng.getrandbits(rng.randrange(1, 104))
+    if kind == 3:  # the high limb is a tie between two binary64 values
+        s = rng.randrange(1, 10)
+        hi = (((1 << 52) | rng.getrandbits(52)) << s) | (1 << (s - 1))
+        return (hi << 42) | rng.getrandbits(42)
+    if kind == 4:  # near 2^62 in the high limb
+        return ((1 << 104) - 1) - rng.getrandbits(rng.randrange(1, 70))
+    j = rng.randrange(1, 21)  # S = 2^j sqrt(1/2) or 2^j, then a few steps either side
+    base = (_SQRT_HALF_MANT << (j + 31)) if kind == 5 else (1 << (84 + j))
+    step = rng.choice([1, 1 << rng.randrange(1, 60)])
+    return max(_ONE, base + rng.randrange(-3, 4) * step)
+
+
+def _limbs(value: int, rng: random.Random) -> tuple[int, int]:
+    """(hi, lo) with hi 2^42 + lo == value, lo sometimes far above 2^42 (carries)."""
+    hi, lo = value >> 42, value & contract.LIMB_MASK
+    if rng.random() < 0.4:
+        carry = min(hi, rng.choice([1, rng.randrange(1, 1 << 20)]))
+        hi, lo = hi - carry, lo + (carry << 42)
+    return hi, lo
+
+
+def _finalize_row(rng: random.Random, vocab_size: int | None, ignore_index: int):
+    """(row_max, record as a list, target, bad temperature) of one row."""
+    top = vocab_size if vocab_size is not None else contract.MAX_VOCAB
+    target = rng.randrange(top)
+    e_hi, e_lo = _limbs(_limb_sum(rng), rng)
+    w_hi, w_lo = (0, 0) if rng.random() < 0.3 else _limbs(rng.getrandbits(103), rng)
+    t_bits = int(torch.tensor(_random_f32(rng)).view(torch.int32))  # sign-extended
+    row_max, owners, masked, nonfinite, bad_tau = _random_f32(rng), 1, 0, 0, False
+    kind = rng.random()
+    if kind < 0.25:  # problems, one or several
+        for _ in range(rng.randrange(1, 4)):
+            problem = rng.randrange(8)
+            if problem == 0:
+                target = rng.choice([-1, -(1 << 40)])
+            elif problem == 1:
+                target = top + rng.randrange(3)
+            elif problem == 2:
+                owners = rng.choice([0, 2, 3])
+            elif problem == 3:
+                masked = rng.choice([1, 2])
+            elif problem == 4:
+                nonfinite = rng.choice([1, 5])
+            elif problem == 5:
+                row_max = float("-inf")
+            elif problem == 6:
+                bad_tau = True
+            else:
+                e_hi, e_lo = rng.choice([(0, 0), (rng.getrandbits(62), rng.getrandbits(62))])
+        if target == ignore_index:
+            target = -7 if ignore_index != -7 else -8
+    elif kind < 0.4:  # ignored, with flags that must not count
+        target, owners = ignore_index, rng.choice([0, 0, 2])
+        nonfinite, bad_tau = rng.choice([0, 3]), rng.random() < 0.5
+        row_max = rng.choice([row_max, float("-inf")])
+        e_hi, e_lo = rng.choice([(0, 0), (e_hi, e_lo)])
+    elif kind < 0.43:  # beyond what partials produce: S = 0, negative limb sums
+        e_hi, e_lo = rng.choice([(0, 0), (-(1 << 42), 0), (-rng.getrandbits(50), 12345)])
+        t_bits = (t_bits & 0xFFFFFFFF) - (rng.getrandbits(31) << 32)  # garbage above bit 31
+    elif target == ignore_index:
+        target = (target + 1) % top
+    record = [e_hi, e_lo, w_hi, w_lo, t_bits, owners, masked, nonfinite]
+    return row_max, record, target, bad_tau
+
+
 # --- ground truth ---
 
 
@@ -200,7 +329,7 @@ def simulate_shards(
     bad_tau = None
     if isinstance(tau, torch.Tensor):
         bad_tau = ~(torch.isfinite(tau) & (tau > 0))
-    return contract.finalize(row_max, record, target, vocab_size, ignore_index, bad_tau)
+    return impl.finalize(row_max, record, target, vocab_size, ignore_index, bad_tau)
 
 
 # --- bitwise helpers ---

@@ -1,8 +1,9 @@
 """What every backend implements: the three local passes of contract v1.
 
-A backend never calls a collective and never finalizes; it turns one shard of logits into
-the per-row max, the int64 row record and, in backward, the gradient shard. All of them
-must give the bits of `exactlogp.contract` for every input.
+A backend never calls a collective; it turns one shard of logits into the per-row max,
+the int64 row record and, in backward, the gradient shard, and may fuse stage 7 (finalize
+of the combined record). All of them must give the bits of `exactlogp.contract` for every
+input.
 """
 
 from __future__ import annotations

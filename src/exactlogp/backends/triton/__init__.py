@@ -1,7 +1,8 @@
-"""The Triton backend: contract v1's three local passes as GPU kernels.
+"""The Triton backend: contract v1's three local passes and its finalize as GPU kernels.
 
-kernels.py holds the @triton.jit kernels (max pass, term pass, gradient), launch.py the
-fixed launch configurations and the `TritonBackend` registered as backend="triton".
+kernels.py holds the @triton.jit kernels (max pass, term pass, finalize, gradient),
+launch.py the fixed launch configurations and the `TritonBackend` registered as
+backend="triton".
 """
 
 from .launch import CONFIGS, LaunchConfig, TritonBackend, interpreted

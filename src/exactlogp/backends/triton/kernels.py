@@ -1,20 +1,23 @@
-"""Triton kernels of contract exactlogp-v1: the max pass, the term pass and the gradient.
+"""Triton kernels of contract exactlogp-v1: max pass, term pass, finalize and gradient.
 
 Each kernel replays `exactlogp.contract` operation for operation, so its bits are the
 reference's on any GPU and under the Triton interpreter:
 
   max pass     y = fp32(x) / tau -> running max of the valid, finite-or--inf y
   term pass    d = y - M (fp64) -> exp_c -> quantize -> int64 limb sums, target, counters
+  finalize     record -> bad flags -> S (double-double) -> log_c -> outputs, per-row stats
   gradient     d -> exp_c -> p = e / fl(S) -> g -> g / tau -> fp32 -> logits dtype
 
 What keeps the bits equal (launch.py holds the launch side of it):
 - Every contract constant is built with `tl.full(..., tl.float64)`: a bare Python float in
   a compiled Triton expression is typed fp32 and would be rounded (the interpreter does not
   round it, so the interpreter tests alone would not see the mistake; benchmarks/
-  triton_ptx_check.py checks every fp64 immediate of the compiled code). Only 0.0 and 1.0,
-  exact in fp32, appear bare.
+  triton_ptx_check.py checks every fp64 immediate of the compiled code). Only 0.0, 1.0
+  and 2.0, exact in fp32, appear bare.
 - fp32 division is `tl.math.div_rn` (plain `/` on fp32 lowers to the approximate
   div.full); fp64 `/` lowers to div.rn.f64, the IEEE division.
+- Integer <-> binary64 conversions in finalize are the contract's own: int64 -> fp64
+  rounds to nearest even (cvt.rn), and fp64 -> int64 only ever meets integers.
 - No FMA: the kernels are launched with enable_fp_fusion=False, so every + - * is emitted
   as a separately rounded .rn instruction that ptxas never contracts.
 - No exp/log from Triton or libdevice: exp_c is Cody-Waite + the contract's table and
@@ -23,7 +26,8 @@ What keeps the bits equal (launch.py holds the launch side of it):
   interpreter, whose own bf16 conversions truncate).
 - Float -> int conversions are done by reading the magic-number sum's bit pattern; every
   value reaching one is finite and in range (d is zeroed outside [CUTOFF, 0]).
-- NaN gradients are written with the bit patterns the reference produces on the CPU.
+- NaN outputs and gradients are written with the bit patterns the reference produces on
+  the CPU.
 """
 
 from __future__ import annotations
@@ -65,6 +69,32 @@ COL_TARGET_BITS: tl.constexpr = tl.constexpr(contract.COL_TARGET_BITS)
 COL_OWNERS: tl.constexpr = tl.constexpr(contract.COL_OWNERS)
 COL_TARGET_MASKED: tl.constexpr = tl.constexpr(contract.COL_TARGET_MASKED)
 COL_NONFINITE: tl.constexpr = tl.constexpr(contract.COL_NONFINITE)
+FRAC_BITS: tl.constexpr = tl.constexpr(contract.FRAC_BITS)
+LIMB_MASK: tl.constexpr = tl.constexpr(contract.LIMB_MASK)
+LIMB_ONE: tl.constexpr = tl.constexpr(1 << contract.FRAC_BITS)  # 1.0 as a high limb
+LIMB_UNIT: tl.constexpr = tl.constexpr(contract.LIMB_UNIT)
+LIMB2_UNIT: tl.constexpr = tl.constexpr(contract.LIMB2_UNIT)
+SQRT_HALF: tl.constexpr = tl.constexpr(contract.SQRT_HALF)
+LN2_HI: tl.constexpr = tl.constexpr(contract.LN2_HI)
+LN2_LO: tl.constexpr = tl.constexpr(contract.LN2_LO)
+# contract.LOG_POLY, 1/(2i+1) for i = 11 .. 1: the contract log's odd series in s^2
+L23: tl.constexpr = tl.constexpr(contract.LOG_POLY[0])  # 1/23
+L21: tl.constexpr = tl.constexpr(contract.LOG_POLY[1])
+L19: tl.constexpr = tl.constexpr(contract.LOG_POLY[2])
+L17: tl.constexpr = tl.constexpr(contract.LOG_POLY[3])
+L15: tl.constexpr = tl.constexpr(contract.LOG_POLY[4])
+L13: tl.constexpr = tl.constexpr(contract.LOG_POLY[5])
+L11: tl.constexpr = tl.constexpr(contract.LOG_POLY[6])
+L9: tl.constexpr = tl.constexpr(contract.LOG_POLY[7])
+L7: tl.constexpr = tl.constexpr(contract.LOG_POLY[8])
+L5: tl.constexpr = tl.constexpr(contract.LOG_POLY[9])
+L3: tl.constexpr = tl.constexpr(contract.LOG_POLY[10])  # 1/3
+BAD_TARGET_RANGE: tl.constexpr = tl.constexpr(contract.BAD_TARGET_RANGE)
+BAD_TARGET_OWNER: tl.constexpr = tl.constexpr(contract.BAD_TARGET_OWNER)
+BAD_TARGET_MASKED: tl.constexpr = tl.constexpr(contract.BAD_TARGET_MASKED)
+BAD_NONFINITE: tl.constexpr = tl.constexpr(contract.BAD_NONFINITE)
+BAD_NO_VALID_COLUMN: tl.constexpr = tl.constexpr(contract.BAD_NO_VALID_COLUMN)
+BAD_TEMPERATURE: tl.constexpr = tl.constexpr(contract.BAD_TEMPERATURE)
 
 # Bit patterns of the NaN the reference writes into a NaN row's gradient on the CPU:
 # fp64 NaN -> fp32 0x7fc00000 -> fp16 0x7e00 / bf16 0xffff (torch's vectorised conversion).
@@ -278,6 +308,151 @@ def partials_kernel(
     tl.store(rec + COL_TARGET_BITS, tl.where(owner, bits, 0))
     tl.store(rec + COL_OWNERS, owner.to(tl.int64))
     tl.store(rec + COL_TARGET_MASKED, masked)
+
+
+# --- 7. finalize ---
+
+
+@triton.jit
+def _two_sum(a, b):
+    """contract._two_sum: s = fl(a + b) and its exact rounding error."""
+    s = a + b
+    bb = s - a
+    return s, (a - (s - bb)) + (b - bb)
+
+
+@triton.jit
+def _limbs_to_double_double(hi, lo):
+    """contract.limbs_to_double_double: int64 limb sums -> (fl(value), exact rest)."""
+    hi = hi + (lo >> FRAC_BITS)  # carry; >> on int64 is arithmetic, as torch's
+    lo = lo & LIMB_MASK
+    a = hi.to(tl.float64)  # int64 -> binary64, round to nearest even
+    r = hi - a.to(tl.int64)  # a is an integer below 2^63 (limb sums < 2^62): exact
+    t = r * LIMB_ONE + lo
+    unit = tl.full([], LIMB_UNIT, tl.float64)
+    return _two_sum(a * unit, t.to(tl.float64) * tl.full([], LIMB2_UNIT, tl.float64))
+
+
+@triton.jit
+def _frexp(x):
+    """torch.frexp for a normal binary64 x: (m, k), x = m 2^k, |m| in [0.5, 1).
+
+    The exponent field is set to 1022 by subtracting k << 52 from the bit pattern (no
+    borrow reaches the sign). S is 0 or a multiple of 2^-84 below 2^22, never subnormal;
+    S = 0 (no local pass produces it) gives NaN through sl / sh whatever m and k are.
+    """
+    bits = x.to(tl.int64, bitcast=True)
+    k = ((bits >> 52) & 0x7FF) - 1022
+    return (bits - (k << 52)).to(tl.float64, bitcast=True), k
+
+
+@triton.jit
+def _log_c(sh, sl):
+    """contract.log_c: log(sh + sl) = k ln2 + 2 atanh(g / (2 + g)), in the same order."""
+    m, k = _frexp(sh)
+    small = m < tl.full([], SQRT_HALF, tl.float64)
+    m = tl.where(small, m * 2.0, m)
+    kd = tl.where(small, k - 1, k).to(tl.float64)
+    g = m - 1.0  # exact (Sterbenz)
+    s = g / (2.0 + g)  # fp64 `/` is IEEE div.rn.f64
+    s2 = s + s
+    z = s * s
+    poly = tl.full([], L23, tl.float64)
+    poly = poly * z + tl.full([], L21, tl.float64)  # Horner, no FMA
+    poly = poly * z + tl.full([], L19, tl.float64)
+    poly = poly * z + tl.full([], L17, tl.float64)
+    poly = poly * z + tl.full([], L15, tl.float64)
+    poly = poly * z + tl.full([], L13, tl.float64)
+    poly = poly * z + tl.full([], L11, tl.float64)
+    poly = poly * z + tl.full([], L9, tl.float64)
+    poly = poly * z + tl.full([], L7, tl.float64)
+    poly = poly * z + tl.full([], L5, tl.float64)
+    poly = poly * z + tl.full([], L3, tl.float64)
+    tail = kd * tl.full([], LN2_LO, tl.float64) + sl / sh
+    return kd * tl.full([], LN2_HI, tl.float64) + (s2 + (s2 * (poly * z) + tail))
+
+
+@triton.jit
+def _bad_flags(rec, rows, live, row_max, target, ignored, bad_tau_ptr, vocab_size,
+               HAS_VOCAB: tl.constexpr, HAS_BAD_TAU: tl.constexpr):  # fmt: skip
+    """contract.finalize's BAD_* flags of each row; 0 on ignored rows."""
+    out_of_range = target < 0
+    if HAS_VOCAB:
+        out_of_range = out_of_range | (target >= vocab_size)
+    owners = tl.load(rec + COL_OWNERS, mask=live, other=0)
+    masked = tl.load(rec + COL_TARGET_MASKED, mask=live, other=0)
+    nonfinite = tl.load(rec + COL_NONFINITE, mask=live, other=0)
+    bad = tl.where(out_of_range, BAD_TARGET_RANGE, 0).to(tl.int64)
+    bad = bad | tl.where(~out_of_range & (owners != 1), BAD_TARGET_OWNER, 0)
+    bad = bad | tl.where(masked != 0, BAD_TARGET_MASKED, 0)
+    bad = bad | tl.where(nonfinite != 0, BAD_NONFINITE, 0)
+    bad = bad | tl.where(row_max == float("-inf"), BAD_NO_VALID_COLUMN, 0)
+    if HAS_BAD_TAU:
+        bad_tau = tl.load(bad_tau_ptr + rows, mask=live, other=0) != 0
+        bad = bad | tl.where(bad_tau, BAD_TEMPERATURE, 0)
+    return tl.where(ignored, 0, bad)
+
+
+@triton.jit
+def _store_output(out_ptr, rows, live, v, bad, ignored):
+    """fl32(v) as bits; on bad rows the reference's NaN bits, on ignored rows +0."""
+    bits = v.to(tl.float32).to(tl.int32, bitcast=True)
+    bits = tl.where(bad != 0, NAN_F32, bits)
+    tl.store(out_ptr + rows, tl.where(ignored, 0, bits), mask=live)
+
+
+@triton.jit
+def finalize_kernel(
+    max_ptr,  # [N] fp32 global row max
+    rec_ptr,  # [N, NUM_COLS] int64 record summed over all ranks, row stride stride_rec
+    target_ptr,  # [N] int64 global target ids
+    bad_tau_ptr,  # [N] uint8 bad per-row temperature (unused unless HAS_BAD_TAU)
+    logprobs_ptr,  # [N] fp32, written as int32 bit patterns
+    entropy_ptr,  # [N] fp32, same
+    lse_ptr,  # [N] fp32, same
+    s_hi_ptr,  # [N] fp64 fl(S)
+    log_s_ptr,  # [N] fp64
+    ent64_ptr,  # [N] fp64 entropy before rounding
+    bad_ptr,  # [N] int64 BAD_* flags
+    ignored_ptr,  # [N] bool, written as uint8
+    n_rows,
+    stride_rec,
+    vocab_size,  # unused unless HAS_VOCAB
+    ignore_index,
+    HAS_VOCAB: tl.constexpr,
+    HAS_BAD_TAU: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    live = rows < n_rows
+    rec = rec_ptr + rows.to(tl.int64) * stride_rec
+    row_max = tl.load(max_ptr + rows, mask=live, other=0.0)
+    target = tl.load(target_ptr + rows, mask=live, other=0)
+    ignored = target == ignore_index
+    bad = _bad_flags(rec, rows, live, row_max, target, ignored, bad_tau_ptr, vocab_size,
+                     HAS_VOCAB, HAS_BAD_TAU)  # fmt: skip
+
+    # Bad and ignored rows get S = 1 so that log_c stays in its domain, as in the contract.
+    skip = (bad != 0) | ignored
+    e_hi = tl.where(skip, LIMB_ONE, tl.load(rec + COL_E_HI, mask=live, other=0))
+    e_lo = tl.where(skip, 0, tl.load(rec + COL_E_LO, mask=live, other=0))
+    sh, sl = _limbs_to_double_double(e_hi, e_lo)
+    log_s = _log_c(sh, sl)
+    w_hi = tl.load(rec + COL_W_HI, mask=live, other=0)
+    wh, _ = _limbs_to_double_double(w_hi, tl.load(rec + COL_W_LO, mask=live, other=0))
+
+    m64 = row_max.to(tl.float64)
+    t_bits = tl.load(rec + COL_TARGET_BITS, mask=live, other=0).to(tl.int32)  # low 32 bits
+    y_t = t_bits.to(tl.float32, bitcast=True).to(tl.float64)
+    entropy64 = log_s + wh / sh
+    _store_output(logprobs_ptr, rows, live, (y_t - m64) - log_s, bad, ignored)
+    _store_output(entropy_ptr, rows, live, entropy64, bad, ignored)
+    _store_output(lse_ptr, rows, live, m64 + log_s, bad, ignored)
+    tl.store(s_hi_ptr + rows, sh, mask=live)
+    tl.store(log_s_ptr + rows, log_s, mask=live)
+    tl.store(ent64_ptr + rows, entropy64, mask=live)
+    tl.store(bad_ptr + rows, bad, mask=live)
+    tl.store(ignored_ptr + rows, ignored.to(tl.uint8), mask=live)
 
 
 # --- backward: elementwise from the saved per-row statistics ---

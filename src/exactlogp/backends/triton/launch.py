@@ -50,6 +50,11 @@ CONFIGS: dict[torch.dtype, DtypeConfigs] = {
     torch.float32: DtypeConfigs(LaunchConfig(2048, 8), _FP64_PASS, _FP64_PASS),
 }
 
+# finalize: one row per thread, a few programs for a batch of ~1000 rows. Rows are
+# independent, so the block size changes the speed, never the bits.
+FINALIZE_BLOCK_N = 128
+FINALIZE_NUM_WARPS = 4
+
 # Aim for this many programs per multiprocessor when splitting rows across programs.
 PROGRAMS_PER_SM = 8
 
@@ -75,7 +80,6 @@ class _Prepared:
     x: torch.Tensor  # logits with unit column stride; bf16 viewed as int16
     keep: torch.Tensor  # uint8 keep mask, or a stand-in pointer
     tau: torch.Tensor  # fp32 (N,) or (1,)
-    tau64: torch.Tensor  # fp64 (N,) or (1,)
     stride_tau: int
     has_tau: bool
     n_real: int  # local columns below the padding
@@ -89,22 +93,29 @@ def _prepare(logits, temperature, keep_mask, plan: ShardPlan) -> _Prepared:
     dev = logits.device
     if isinstance(temperature, torch.Tensor):
         tau = temperature.to(device=dev, dtype=torch.float32).contiguous()
-        tau64, stride_tau, has_tau = tau.to(torch.float64), 1, True
+        stride_tau, has_tau = 1, True
     elif temperature != 1.0:
-        # y divides by tau rounded to fp32; the gradient divides by the float itself,
-        # exactly as contract.scaled_logits and contract.grad_block do. torch.full keeps
-        # the host from waiting on the device (no copy from host memory).
+        # torch.full keeps the host from waiting on the device (no copy from host memory)
         tau = torch.full((1,), temperature, dtype=torch.float32, device=dev)
-        tau64 = torch.full((1,), temperature, dtype=torch.float64, device=dev)
         stride_tau, has_tau = 0, True
     else:  # a division by exactly 1.0 is the identity: the kernels skip it
-        tau = tau64 = x
-        stride_tau, has_tau = 0, False
+        tau, stride_tau, has_tau = x, 0, False
     num_cols = logits.shape[-1]
     n_real = num_cols
     if plan.vocab_size is not None:
         n_real = max(0, min(num_cols, plan.vocab_size - plan.vocab_start))
-    return _Prepared(x, keep, tau, tau64, stride_tau, has_tau, n_real)
+    return _Prepared(x, keep, tau, stride_tau, has_tau, n_real)
+
+
+def _grad_temperature(temperature, prep: _Prepared) -> torch.Tensor:
+    """fp64 (N,) or (1,): y divides by tau rounded to fp32, the gradient by the float
+    itself, exactly as contract.scaled_logits and contract.grad_block do. Only backward
+    needs it, so forward never converts it."""
+    if isinstance(temperature, torch.Tensor):
+        return prep.tau.to(torch.float64)
+    if prep.has_tau:
+        return torch.full((1,), temperature, dtype=torch.float64, device=prep.tau.device)
+    return prep.tau  # a stand-in pointer: the kernel does not divide
 
 
 def _unit_stride(t: torch.Tensor) -> torch.Tensor:
@@ -209,7 +220,8 @@ def grad(logits, target, temperature, keep_mask, stats: GradStats, plan: ShardPl
     f64 = lambda t: t.to(torch.float64).contiguous()  # noqa: E731
     grid = (n, -(-num_cols // cfg.block_v))
     kernels.grad_kernel[grid](
-        prep.x, prep.keep, prep.tau, prep.tau64, target.to(torch.int64).contiguous(),
+        prep.x, prep.keep, prep.tau, _grad_temperature(temperature, prep),
+        target.to(torch.int64).contiguous(),
         _exp2_table(logits.device), stats.row_max.to(torch.float32).contiguous(),
         f64(stats.s_hi), f64(stats.log_s), f64(stats.entropy64),
         f64(stats.coef_a), f64(stats.coef_b), f64(stats.coef_t),
@@ -218,6 +230,38 @@ def grad(logits, target, temperature, keep_mask, stats: GradStats, plan: ShardPl
         num_cols, prep.n_real, plan.vocab_start, plan.ignore_index,
         WITH_ENTROPY=plan.with_entropy, OUT_KIND=kind,
         **_common(prep, keep_mask, logits.dtype), **_launch_options(cfg),
+    )  # fmt: skip
+    return out
+
+
+# --- 7. finalize ---
+
+
+def finalize(row_max, record, target, vocab_size, ignore_index, bad_temperature, block_n=None):
+    """Backend.finalize as one kernel launch with contract.finalize's bits in every field;
+    besides the launch only allocations, and nothing waits on the device."""
+    n, dev = target.shape[0], target.device
+    empty = functools.partial(torch.empty, n, device=dev)
+    out = contract.Finalized(
+        logprobs=empty(dtype=torch.float32), entropy=empty(dtype=torch.float32),
+        lse=empty(dtype=torch.float32), s_hi=empty(dtype=torch.float64),
+        log_s=empty(dtype=torch.float64), entropy64=empty(dtype=torch.float64),
+        bad=empty(dtype=torch.int64), ignored=empty(dtype=torch.bool),
+    )  # fmt: skip
+    if n == 0:
+        return out
+    record = _unit_stride(record)
+    has_bad_tau = bad_temperature is not None
+    bad_tau = _unit_stride(bad_temperature).view(torch.uint8) if has_bad_tau else target
+    block_n = block_n or FINALIZE_BLOCK_N
+    kernels.finalize_kernel[(-(-n // block_n),)](
+        _unit_stride(row_max), record, _unit_stride(target), bad_tau,
+        out.logprobs.view(torch.int32), out.entropy.view(torch.int32),
+        out.lse.view(torch.int32), out.s_hi, out.log_s, out.entropy64, out.bad,
+        out.ignored.view(torch.uint8),
+        n, record.stride(0), vocab_size or 0, ignore_index,
+        HAS_VOCAB=vocab_size is not None, HAS_BAD_TAU=has_bad_tau, BLOCK_N=block_n,
+        num_warps=FINALIZE_NUM_WARPS, enable_fp_fusion=False,
     )  # fmt: skip
     return out
 
@@ -247,6 +291,9 @@ class TritonBackend(Backend):
 
     def partials(self, logits, target, temperature, keep_mask, row_max_, plan):
         return partials(logits, target, temperature, keep_mask, row_max_, plan)
+
+    def finalize(self, row_max, record, target, vocab_size, ignore_index, bad_temperature):
+        return finalize(row_max, record, target, vocab_size, ignore_index, bad_temperature)
 
     def grad(self, logits, target, temperature, keep_mask, stats: GradStats, plan):
         return grad(logits, target, temperature, keep_mask, stats, plan)
