@@ -65,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--threads-per-rank",
         type=int,
         dest="threads_per_rank",
-        help="intra-op threads per rank (default: CPU count / TP)",
+        help=f"intra-op threads per rank (default {d.threads_per_rank})",
     )
     opt("--seed", type=int, help=f"workload seed (default {d.seed})")
     bench = sub.add_parser("bench", help="CPU benchmarks (exactlogp.bench.cpu)", add_help=False)

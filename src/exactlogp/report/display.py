@@ -51,8 +51,10 @@ class RichDisplay:
         self.progress.update(task, completed=done, status=what)
 
     def finish(self, task, status: str) -> None:
-        total = self.progress.tasks[task].total
-        self.progress.update(task, completed=total, status=status)
+        info = self.progress.tasks[task]
+        self.progress.update(task, completed=info.total, status=status)
+        if not self.console.is_terminal:  # a log file gets one line per finished task
+            self.console.print(f"{info.description}: {status} ({info.elapsed or 0:.0f} s)")
 
 
 def _mark(value) -> str:

@@ -4,8 +4,8 @@ named in a Job, on this rank's shard of the shared logits.
 Per candidate (all ranks issue the same calls, so collectives stay matched):
   1. build it on this rank's shard
   2. warm-up run on all rows: its output is the candidate's result at this TP
-  3. `repeats` timed runs on all rows: barrier, run, (CUDA sync); per run the slowest
-     rank's time; the SHA-256 of every output (distinct results over repeats);
+  3. `repeats` timed runs on all rows (fewer where the candidate caps them): barrier,
+     run, (CUDA sync); per run the slowest rank's time; the SHA-256 of every output;
      peak memory of steps 2-3 per rank
   4. batch checks on the check rows: each row alone, consecutive sub-batches of
      1, 2, 3, 5, 8, ... rows, the rows permuted, the rows shuffled among as many
@@ -44,12 +44,16 @@ class Job:
     emulate: bool = False  # replay emulated reduction orders (gloo, tp > 1)
     seed: int = 0
 
-    def steps(self) -> int:
-        """Progress steps per candidate."""
+    def timed_runs(self, name: str) -> int:
+        cap = candidates.create(name).max_timed_runs
+        return self.repeats if cap is None else min(self.repeats, cap)
+
+    def steps(self, name: str) -> int:
+        """Progress steps of one candidate."""
         if not self.full:
             return 2
         settings = len(emulation.emulated_settings(self.tp)) if self.emulate else 0
-        return 2 + self.repeats + 4 + settings
+        return 2 + self.timed_runs(name) + 4 + settings
 
 
 Progress = Callable[[str, int, str], None]  # (candidate, steps done, what)
@@ -98,16 +102,16 @@ def _measure(name, job: Job, group, rank, device, report) -> dict:
         done[0] += 1
         report(name, done[0], what)
 
-    fn = cand.build(ctx)
-    step("built")
     rows = torch.tensor(job.check_rows, dtype=torch.int64, device=device)
     try:
+        fn = cand.build(ctx)
+        step("built")
         with torch.no_grad():
             if not job.full:
                 out = fn(logits[rows], target[rows])
                 step("settings run")
                 return {"check_rows_out": out.cpu()}
-            result = _main_runs(fn, logits, target, group, job, device, step)
+            result = _main_runs(name, fn, logits, target, group, job, device, step)
             expect = result["out"].to(device)[rows]
             result["batch"] = _batch_checks(fn, logits, target, rows, expect, job, step)
             if job.emulate:
@@ -123,7 +127,7 @@ def _measure(name, job: Job, group, rank, device, report) -> dict:
         cand.teardown()
 
 
-def _main_runs(fn, logits, target, group, job: Job, device, step) -> dict:
+def _main_runs(name, fn, logits, target, group, job: Job, device, step) -> dict:
     import torch.distributed as dist
 
     memory = PeakMemory(device)
@@ -132,18 +136,19 @@ def _main_runs(fn, logits, target, group, job: Job, device, step) -> dict:
     _sync(device)
     step("warm-up")
     hashes, times = [sha256(out)], []
-    for i in range(job.repeats):
+    runs = job.timed_runs(name)
+    for i in range(runs):
         dist.barrier(group=group)
         t0 = time.perf_counter()
         again = fn(logits, target)
         _sync(device)
         times.append(time.perf_counter() - t0)
         hashes.append(sha256(again))
-        step(f"timed run {i + 1}/{job.repeats}")
+        step(f"timed run {i + 1}/{runs}")
     peak = memory.read()
     per_rank = [None] * dist.get_world_size(group)
     dist.all_gather_object(per_rank, (times, peak, hashes[0]), group=group)
-    slowest = [max(t[i] for t, _, _ in per_rank) for i in range(job.repeats)]
+    slowest = [max(t[i] for t, _, _ in per_rank) for i in range(runs)]
     return {
         "out": out.detach().to(torch.float32).cpu(),
         "hashes": hashes,

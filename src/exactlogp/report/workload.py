@@ -9,7 +9,6 @@ candidate's ranks cut their own shards from it, so every candidate sees the same
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -91,7 +90,3 @@ def check_rows(tokens: int, count: int, seed: int) -> tuple[list[int], list[int]
     rows = sorted(perm[:count])
     extra = perm[count : 2 * count]
     return rows, extra
-
-
-def default_data_dir() -> str:
-    return os.environ.get("TMPDIR", "/tmp")

@@ -184,9 +184,21 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _die_with_parent() -> None:
+    """Ask Linux to kill this rank if the report process dies, however it dies."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass  # not Linux: the parent's finally block is the only clean-up
+
+
 def _worker(rank, world_size, port, backend, env, tmp, job: Job, timeout):
     import torch.distributed as dist
 
+    _die_with_parent()
     for key, value in env.items():
         if value is None:
             os.environ.pop(key, None)

@@ -46,6 +46,7 @@ class Candidate:
     summary = ""  # one sentence: exactly what runs
     implementation = "real"  # "ours", "real" (third-party code) or "re-implementation"
     tp1_only = False
+    max_timed_runs: int | None = None  # None: the report's --repeats
 
     def check_available(self, device: torch.device) -> None:
         """Raise Unavailable (cheaply, before any world is started) if this cannot run."""
