@@ -22,7 +22,12 @@ def test_quick_preset_writes_a_valid_report_and_exits_0(quick_report):
     status, out, report = quick_report
     assert status == 0
     schema.validate(report)
-    assert out.with_suffix(".md").read_text().startswith("# exactlogp conformance report")
+    markdown = out.with_suffix(".md").read_text()
+    assert markdown.startswith("# exactlogp conformance report")
+    assert (
+        "- invariant on every axis measured (TP, settings, batch, repeats): "
+        "exactlogp, vllm_gather, rl_kernel_ws2\n- smallest error vs fp64: exactlogp ("
+    ) in markdown
     assert report["tp"] == [1, 2] and report["tokens"] == 48 and report["vocab"] == 2048
     assert report["command"] == f"exactlogp report --preset quick --out {out}"
     assert report["nccl_settings_emulated"] is True

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 
 
@@ -108,6 +109,8 @@ def _report(args: argparse.Namespace, argv: list[str]) -> int:
     overrides = {
         k: v for k, v in vars(args).items() if k not in ("command", "preset") and v is not None
     }
+    # a plain `kill` ends the report like Ctrl-C: worlds are stopped, temporary files go
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     try:
         opts = runner.make_options(
             args.preset, command=shlex.join(["exactlogp", *argv]), **overrides

@@ -97,7 +97,9 @@ def _method(s: Session) -> dict:
         "extra_rows": list(s.extra_rows),
         "batch_bitwise": "on check_rows: each row alone, consecutive sub-batches of 1, 2, 3, 5, "
         "8, ... rows, the rows permuted, the rows shuffled among extra_rows; each bit for bit "
-        "against the same rows of the full-batch warm-up output",
+        "against the same rows of the full-batch warm-up output (a float all_reduce can add "
+        "the ranks in an order that depends on the message length and the element's place "
+        "in it, so batch composition reaches the bits through the collective too)",
         "nccl_setting_invariant": (
             "on check_rows, in the same world: every float all_reduce a candidate issues "
             "replayed in each emulated order (gloo has no NCCL knobs); all outputs bit for bit"

@@ -20,11 +20,11 @@ BASE_COLUMNS = (
 
 
 def columns(report: dict) -> list[str]:
-    return [*BASE_COLUMNS, *(f"TP{tp} median us" for tp in report["tp"]), "peak MiB/rank"]
+    return [*BASE_COLUMNS, *(f"TP{tp} median ms" for tp in report["tp"]), "peak MiB/rank"]
 
 
 class RichDisplay:
-    """The runner's display: one progress line per world (or phase)."""
+    """The runner's display: one progress line per candidate and TP degree (or phase)."""
 
     def __init__(self, console: Console):
         self.console = console
@@ -54,7 +54,7 @@ class RichDisplay:
         info = self.progress.tasks[task]
         self.progress.update(task, completed=info.total, status=status)
         if not self.console.is_terminal:  # a log file gets one line per finished task
-            self.console.print(f"{info.description}: {status} ({info.elapsed or 0:.0f} s)")
+            self.console.print(f"{info.description}: {status}")
 
 
 def _mark(value) -> str:
@@ -87,7 +87,7 @@ def rows(report: dict) -> list[list[str]]:
         for tp in report["tp"]:
             lat = e["latency_us"].get(str(tp))
             err = e.get("errors", {}).get(str(tp))
-            row.append(f"{lat['median']:.0f}" if lat else ("error" if err else "-"))
+            row.append(f"{lat['median'] / 1000:.1f}" if lat else ("error" if err else "-"))
         peaks = [p for per in e["peak_memory_mib_per_rank"].values() for p in per if p is not None]
         row.append(f"{max(peaks):.0f}" if peaks else "-")
         out.append(row)
@@ -128,8 +128,34 @@ def markdown(report: dict) -> str:
         "|" + "---|" * len(columns(report)),
     ]
     lines += ["| " + " | ".join(r) + " |" for r in rows(report)]
-    lines += ["", *_notes(report)]
+    lines += ["", *findings(report), "", *_notes(report)]
     return "\n".join(lines) + "\n"
+
+
+def findings(report: dict) -> list[str]:
+    """What the table says, in words: who is invariant on every axis, who is closest to fp64."""
+    measured = {n: e for n, e in report["candidates"].items() if "unavailable" not in e}
+    axes = ("nccl_setting_invariant", "batch_bitwise")
+    invariant = [
+        n
+        for n, e in measured.items()
+        if e["tp_equals_tp1"]
+        and all(e["tp_equals_tp1"].values())
+        and all(e[a] is True for a in axes)
+        and e["distinct_results_in_repeats"] == 1
+    ]
+    scored = {
+        n: e["max_abs_vs_fp64"] for n, e in measured.items() if e["max_abs_vs_fp64"] is not None
+    }
+    lines = [
+        "- invariant on every axis measured (TP, settings, batch, repeats): "
+        + (", ".join(invariant) or "none")
+    ]
+    if scored:
+        best = min(scored, key=scored.get)
+        ulp = measured[best]["max_ulp_vs_fp64"]
+        lines.append(f"- smallest error vs fp64: {best} ({scored[best]:.3g}, {ulp:.3g} ulp)")
+    return lines
 
 
 def _notes(report: dict) -> list[str]:

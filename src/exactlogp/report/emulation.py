@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+NCCL_KNOBS = ("NCCL_ALGO", "NCCL_PROTO", "NCCL_MAX_NCHANNELS")
 NCCL_ALGOS = ("Ring", "Tree")
 NCCL_PROTOS = ("LL", "LL128", "Simple")
 NCCL_CHANNELS = ("1", None)  # None: NCCL's default
@@ -53,17 +54,11 @@ def emulated_settings(world_size: int) -> list[Setting]:
 
 
 def nccl_settings() -> list[Setting]:
-    out = [
-        Setting(
-            "nccl_default",
-            "NCCL defaults",
-            (("NCCL_ALGO", None), ("NCCL_PROTO", None), ("NCCL_MAX_NCHANNELS", None)),
-        )
-    ]
+    out = [Setting("nccl_default", "NCCL defaults", tuple((k, None) for k in NCCL_KNOBS))]
     for algo in NCCL_ALGOS:
         for proto in NCCL_PROTOS:
             for channels in NCCL_CHANNELS:
-                env = (("NCCL_ALGO", algo), ("NCCL_PROTO", proto), ("NCCL_MAX_NCHANNELS", channels))
+                env = tuple(zip(NCCL_KNOBS, (algo, proto, channels), strict=True))
                 name = f"{algo}/{proto}/{channels or 'default'}"
                 out.append(Setting(name, f"fresh NCCL world with {name}", env))
     return out

@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import shlex
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field, replace
 
@@ -23,7 +24,7 @@ import torch
 
 from . import emulation
 from .assemble import assemble, exit_status
-from .session import Session, temp_dir
+from .session import Session
 from .worlds import run_candidates
 
 DEFAULT_CANDIDATES = (
@@ -112,7 +113,7 @@ def run(opts: ReportOptions, display=None) -> tuple[dict | None, int]:
     threads = dict.fromkeys(tps, opts.threads_per_rank)
     s = Session(opts, device, backend, "spawn", tps, cap, threads, time.monotonic())
     s.choose_rows()
-    with temp_dir("exactlogp-report-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="exactlogp-report-") as tmp:
         s.prepare(tmp, display)
         for tp in tps:
             s.record(tp, _measure_tp(s, tp, display))
@@ -188,11 +189,12 @@ def _measure_tp(s: Session, tp: int, display) -> dict:
         if name not in tasks:
             on_start(name)
         res = results[name]
-        status = "done"
         if "error" in res:
             status = f"[red]{res['error']}"
         elif "unavailable" in res:
             status = f"unavailable: {res['unavailable']}"
+        else:
+            status = f"done in {res['wall_s']:.0f} s"
         display.finish(tasks[name], status)
     return results
 

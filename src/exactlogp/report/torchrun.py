@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import tempfile
 import time
 
 import torch
@@ -18,7 +19,7 @@ import torch
 from . import candidates, emulation
 from .assemble import assemble, exit_status
 from .job import run_job
-from .session import Session, temp_dir
+from .session import Session
 
 
 def run_torchrun(opts, device: torch.device, display, null_display) -> tuple[dict | None, int]:
@@ -38,18 +39,18 @@ def run_torchrun(opts, device: torch.device, display, null_display) -> tuple[dic
     )
     shown = display if rank == 0 else null_display
     s.choose_rows()
-    with temp_dir(f"exactlogp-report-r{rank}-") as tmp:
-        s.prepare(tmp, shown)  # every rank generates the same seeded workload
+    with tempfile.TemporaryDirectory(prefix=f"exactlogp-report-r{rank}-") as tmp:
+        s.prepare(tmp, shown, reference=rank == 0)  # every rank: the same seeded workload
         for tp in tps:
             blocks = [dist.new_group(list(range(b, b + tp))) for b in range(0, world, tp)]
             _measure_tp(s, tp, blocks[rank // tp], shown)
     if rank != 0:
         return None, 0
-    s.settings = (
-        emulation.emulated_settings(max(tps))
-        if backend == "gloo"
-        else [emulation.Setting("launch_environment", "the NCCL environment torchrun was given")]
-    )
+    if backend == "gloo":
+        s.settings = emulation.emulated_settings(max(tps))
+    else:
+        env = tuple((k, os.environ.get(k)) for k in emulation.NCCL_KNOBS)
+        s.settings = [emulation.Setting("launch_environment", "as torchrun was started", env)]
     report = assemble(s)
     return report, exit_status(report)
 

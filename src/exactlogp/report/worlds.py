@@ -25,6 +25,7 @@ import torch
 from .job import Job, run_job
 
 POLL_S = 0.2
+FAILURE_GRACE_S = 1.0
 STARTUP_S = 300.0  # spawning a world and joining its process group, on a busy machine
 Progress = Callable[[str, int, str], None]
 
@@ -121,19 +122,35 @@ class _Watch:
         """(None, None) when every rank finished cleanly, else (error, traceback)."""
         while True:
             self._poll()
-            for rank, p in enumerate(procs):
-                if p.exitcode is None:
-                    continue
-                ok, value = _load(os.path.join(self.tmp, f"rank{rank}.pt"))
-                if ok is None:
-                    return f"rank {rank} died with exit code {p.exitcode}", None
-                if not ok:
-                    return f"rank {rank}: {value['error']}", value["traceback"]
+            if any(p.exitcode is not None and not self._clean(r) for r, p in enumerate(procs)):
+                time.sleep(FAILURE_GRACE_S)  # let the other ranks record what they saw
+                return self._root_cause(procs)
             if all(p.exitcode is not None for p in procs):
                 return None, None
             if time.monotonic() - self.since > self.timeout:
                 return f"TimeoutError: no result after {self.timeout:.0f} s; world killed", None
             time.sleep(POLL_S)
+
+    def _path(self, rank: int) -> str:
+        return os.path.join(self.tmp, f"rank{rank}.pt")
+
+    def _clean(self, rank: int) -> bool:
+        return _load(self._path(rank))[0] is True
+
+    def _root_cause(self, procs) -> tuple[str, str | None]:
+        """A rank that died without a word first; else the earliest error written (the
+        ranks that fail later mostly report the connection the first one dropped)."""
+        for rank, p in enumerate(procs):
+            if p.exitcode is not None and not os.path.exists(self._path(rank)):
+                return f"rank {rank} died with exit code {p.exitcode}", None
+        failed = [
+            (os.stat(self._path(r)).st_mtime_ns, r)
+            for r, p in enumerate(procs)
+            if p.exitcode is not None and _load(self._path(r))[0] is False
+        ]
+        rank = min(failed)[1]
+        value = _load(self._path(rank))[1]
+        return f"rank {rank}: {value['error']}", value["traceback"]
 
     def _poll(self) -> None:
         try:
@@ -214,6 +231,7 @@ def _worker(rank, world_size, port, backend, env, tmp, job: Job, timeout):
     def sink(name, result):
         _save(os.path.join(tmp, f"cand{job.candidates.index(name)}.pt"), (True, result))
 
+    result = (True, None)
     try:
         if backend == "nccl":
             os.environ["EXACTLOGP_REPORT_DEVICE"] = "cuda"
@@ -225,14 +243,12 @@ def _worker(rank, world_size, port, backend, env, tmp, job: Job, timeout):
             world_size=world_size,
             timeout=datetime.timedelta(seconds=max(timeout, STARTUP_S)),
         )
-        try:
-            run_job(dist.group.WORLD, job, progress, sink)
-        finally:
-            dist.destroy_process_group()
-        result = (True, None)
+        run_job(dist.group.WORLD, job, progress, sink)
     except BaseException as exc:
-        result = (
-            False,
-            {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()},
-        )
+        error = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
+        result = (False, error)
+    # written before the process group goes away, so a failing rank's own error is on
+    # disk before its peers see the connection drop
     _save(os.path.join(tmp, f"rank{rank}.pt"), result)
+    if dist.is_initialized():
+        dist.destroy_process_group()
