@@ -61,7 +61,9 @@ def run_candidates(
         )
         results.update(outcome.results)
         if outcome.error is not None:
-            failed = outcome.failed or next(n for n in remaining if n not in results)
+            failed = outcome.failed
+            if failed is None or failed in results:  # it failed between two candidates
+                failed = next(n for n in remaining if n not in results)
             results[failed] = {"error": outcome.error}
             if outcome.traceback:
                 results[failed]["traceback"] = outcome.traceback[-4000:]
