@@ -1,0 +1,98 @@
+"""`exactlogp report --preset quick` end to end through the CLI, and `exactlogp bench`."""
+
+import json
+import multiprocessing
+import subprocess
+import sys
+
+import pytest
+
+from exactlogp import cli
+from exactlogp.report import schema
+
+
+@pytest.fixture(scope="module")
+def quick_report(tmp_path_factory):
+    out = tmp_path_factory.mktemp("report") / "quick.json"
+    status = cli.main(["report", "--preset", "quick", "--out", str(out)])
+    return status, out, json.loads(out.read_text())
+
+
+def test_quick_preset_writes_a_valid_report_and_exits_0(quick_report):
+    status, out, report = quick_report
+    assert status == 0
+    schema.validate(report)
+    markdown = out.with_suffix(".md").read_text()
+    assert markdown.startswith("# exactlogp conformance report")
+    assert (
+        "- invariant on every axis measured (TP, settings, batch, repeats): "
+        "exactlogp, vllm_gather, rl_kernel_ws2\n- smallest error vs fp64: exactlogp ("
+    ) in markdown
+    assert report["tp"] == [1, 2] and report["tokens"] == 48 and report["vocab"] == 2048
+    assert report["command"] == f"exactlogp report --preset quick --out {out}"
+    assert report["nccl_settings_emulated"] is True
+    assert [s["name"] for s in report["nccl_settings"]] == [
+        "as_is",
+        "ring_from_0",
+        "ring_from_1",
+        "tree",
+        "reversed",
+    ]
+    assert {"name": "megatron-core", "version": "0.16.1"} in report["third_party"]
+    assert multiprocessing.active_children() == []
+
+
+def test_quick_preset_exactlogp_is_invariant_and_most_accurate(quick_report):
+    cands = quick_report[2]["candidates"]
+    ours = cands["exactlogp"]
+    assert ours["tp_equals_tp1"] == {"2": True}
+    assert ours["nccl_setting_invariant"] is True
+    assert ours["batch_bitwise"] is True
+    assert ours["distinct_results_in_repeats"] == 1 and ours["repeats"] == 10
+    assert ours["max_ulp_vs_fp64"] <= 0.5 + 1e-3
+    measured = {n: e for n, e in cands.items() if "unavailable" not in e}
+    assert all(ours["max_abs_vs_fp64"] <= e["max_abs_vs_fp64"] for e in measured.values())
+
+
+def test_quick_preset_reproduces_the_prior_art_truth_table(quick_report):
+    cands = quick_report[2]["candidates"]
+    assert cands["megatron_ce"]["tp_equals_tp1"] == {"2": False}
+    assert cands["vime_default"]["tp_equals_tp1"] == {"2": False}
+    assert cands["vllm_gather"]["tp_equals_tp1"] == {"2": True}
+    assert cands["rl_kernel_ws2"]["tp_equals_tp1"] == {"2": True}
+    # the re-implemented vime math is Megatron's, bit for bit (as in the seed report)
+    assert cands["megatron_ce"]["max_abs_vs"]["vime_default"] == 0.0
+    assert cands["torch_full"]["tp_measured"] == [1]
+    assert cands["miles_fused"] == {"unavailable": "ModuleNotFoundError: No module named 'miles'"}
+    assert cands["verl_fused"] == {"unavailable": "ModuleNotFoundError: No module named 'verl'"}
+
+
+def test_bad_option_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["report", "--tp", "0"])
+    assert exc.value.code == 2
+    assert "positive ints" in capsys.readouterr().err
+
+
+def test_bench_without_its_module_exits_2(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "exactlogp.bench.cpu", None)
+    assert cli.main(["bench", "--rows", "4"]) == 2
+    assert "CPU benchmark module is not available" in capsys.readouterr().err
+
+
+def test_bench_passes_its_arguments_through(monkeypatch):
+    import types
+
+    seen = []
+    fake = types.ModuleType("exactlogp.bench.cpu")
+    fake.main = lambda argv: seen.append(argv) or 0
+    monkeypatch.setitem(sys.modules, "exactlogp.bench.cpu", fake)
+    assert cli.main(["bench", "--rows", "4", "x"]) == 0
+    assert seen == [["--rows", "4", "x"]]
+
+
+def test_python_dash_m_shows_help():
+    out = subprocess.run(
+        [sys.executable, "-m", "exactlogp", "report", "--help"], capture_output=True, text=True
+    )
+    assert out.returncode == 0 and "--preset" in out.stdout
