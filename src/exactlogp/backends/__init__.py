@@ -11,8 +11,9 @@ from .base import Backend, ShardPlan
 # name -> (module, class); "auto" picks the first one that supports the device.
 _REGISTRY: dict[str, tuple[str, str]] = {
     "reference": ("exactlogp.backends.reference", "ReferenceBackend"),
+    "cpu": ("exactlogp.backends.cpu", "CpuBackend"),
 }
-_AUTO_ORDER = ("reference",)
+_AUTO_ORDER = ("cpu", "reference")
 _cache: dict[str, Backend] = {}
 
 
