@@ -54,8 +54,8 @@ class CpuBuildError(RuntimeError):
 # --- 1. the constants header, generated from contract.py ---
 
 _SCALARS = ("CUTOFF", "MAGIC", "LIMB_SCALE", "INV_LN2_32", "LN2_32_HI", "LN2_32_LO")
-_COLUMNS = (
-    "NUM_COLS", "COL_E_HI", "COL_E_LO", "COL_W_HI", "COL_W_LO",
+_INTEGERS = (
+    "FRAC_BITS", "NUM_COLS", "COL_E_HI", "COL_E_LO", "COL_W_HI", "COL_W_LO",
     "COL_TARGET_BITS", "COL_OWNERS", "COL_TARGET_MASKED", "COL_NONFINITE",
 )  # fmt: skip
 
@@ -81,7 +81,7 @@ def constants_header() -> str:
     lines.append(f"#define ELP_EXP_POLY_LEN {len(contract.EXP_POLY)}")
     poly = ", ".join(_c_double(v) for v in contract.EXP_POLY)
     lines.append(f"#define ELP_EXP_POLY {{{poly}}}")
-    lines += [f"#define ELP_{name} {int(getattr(contract, name))}" for name in _COLUMNS]
+    lines += [f"#define ELP_{name} {int(getattr(contract, name))}" for name in _INTEGERS]
     return "\n".join(lines) + "\n"
 
 
@@ -89,7 +89,7 @@ def expected_constants() -> list[float]:
     """contract.py's values in the order `elp_constants` reports the compiled ones."""
     values = [float(getattr(contract, name)) for name in _SCALARS]
     values += list(contract.EXP2_TABLE) + list(contract.EXP_POLY)
-    return values + [float(getattr(contract, name)) for name in _COLUMNS]
+    return values + [float(getattr(contract, name)) for name in _INTEGERS]
 
 
 def compiled_constants(lib: ctypes.CDLL) -> list[float]:

@@ -20,6 +20,7 @@
 #include <pthread.h>
 #include <stdint.h>
 #include <string.h>
+#include <sys/mman.h>
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -40,8 +41,6 @@ typedef uint16_t v8h __attribute__((vector_size(16)));
 typedef uint8_t v8b __attribute__((vector_size(8)));
 
 enum { ELP_F32 = 0, ELP_BF16 = 1, ELP_F16 = 2 };
-enum { LANES = 8 };          /* elements per step: one v8f, two v4d */
-enum { FLUSH_STEPS = 1024 }; /* 2 terms per double lane per step: sums stay <= 2^53 */
 
 /* One shard of logits as the three passes see it (mirrored by cpu.py's ctypes struct). */
 typedef struct {
@@ -166,44 +165,62 @@ ELP_INLINE v8i load_keep8(const uint8_t *p) { return load_u8x8(p) != 0; }
 
 /* ------------------------------------------------------------------ 3. contract exp */
 
+/* Every step handles V4 vectors of four doubles (LANES columns) stage by stage across all
+   of them, so that their long dependency chains (Horner, division) interleave. */
+enum { V8 = 2, V4 = 2 * V8, LANES = 8 * V8 };
+
 static const double exp2_table[1 << ELP_TABLE_BITS] = ELP_EXP2_TABLE;
 static const double exp_poly[ELP_EXP_POLY_LEN] = ELP_EXP_POLY;
 
 /* exp(d) for d in [CUTOFF, 0]: contract.exp_c, operation for operation. */
-ELP_INLINE v4d exp_c4(v4d d) {
-    v4d t = d * ELP_INV_LN2_32;
-    v4d tm = t + ELP_MAGIC;
-    v4d kd = tm - ELP_MAGIC;                            /* rint_even(t) */
-    v4l k = (v4l)tm - (v4l)splat4(ELP_MAGIC);           /* the same integer, from the bits */
-    v4d r = (d - kd * ELP_LN2_32_HI) - kd * ELP_LN2_32_LO; /* Cody-Waite */
-    v4d p = splat4(exp_poly[0]);
-    for (int i = 1; i < ELP_EXP_POLY_LEN; ++i) p = p * r + exp_poly[i]; /* Horner, no FMA */
-    v4l j = k & ((1 << ELP_TABLE_BITS) - 1);
-    v4d tab = gather4(exp2_table, j);
-    /* 2^(k >> TABLE_BITS) from its bits: k >= -2^12, so after adding the exponent bias
-       (times the table size) the value is >= 0 and a logical shift is the floor division */
-    v4ul biased = (v4ul)(k + (1023 << ELP_TABLE_BITS));
-    v4d scale = (v4d)((biased >> ELP_TABLE_BITS) << 52);
-    return (tab * p) * scale;
+ELP_INLINE void exp_c(const v4d d[V4], v4d e[V4]) {
+    v4d tm[V4], kd[V4], r[V4], p[V4];
+    for (int i = 0; i < V4; ++i) tm[i] = d[i] * ELP_INV_LN2_32 + ELP_MAGIC;
+    for (int i = 0; i < V4; ++i) kd[i] = tm[i] - ELP_MAGIC; /* rint_even(d / (ln2/32)) */
+    for (int i = 0; i < V4; ++i) r[i] = (d[i] - kd[i] * ELP_LN2_32_HI) - kd[i] * ELP_LN2_32_LO;
+    for (int i = 0; i < V4; ++i) p[i] = splat4(exp_poly[0]);
+    for (int c = 1; c < ELP_EXP_POLY_LEN; ++c) /* Horner, no FMA */
+        for (int i = 0; i < V4; ++i) p[i] = p[i] * r[i] + exp_poly[c];
+    for (int i = 0; i < V4; ++i) {
+        v4l k = (v4l)tm[i] - (v4l)splat4(ELP_MAGIC); /* the integer kd, from the bits */
+        v4d tab = gather4(exp2_table, k & ((1 << ELP_TABLE_BITS) - 1));
+        /* 2^(k >> TABLE_BITS) from its bits: k >= -2^12, so with the exponent bias (times
+           the table size) added the value is >= 0 and a logical shift is the floor */
+        v4ul biased = (v4ul)(k + (1023 << ELP_TABLE_BITS));
+        e[i] = (tab * p[i]) * (v4d)((biased >> ELP_TABLE_BITS) << 52);
+    }
 }
 
 /* ------------------------------------------------------------------ 4-5. quantize, sum */
 
-/* contract.quantize of v in [0, 1]: hi = floor(v 2^42), lo = rint_even((v 2^42 - hi) 2^42),
-   both as integer-valued doubles, added to the lane sums. */
-ELP_INLINE void quantize_add(v4d v, v4d *sum_hi, v4d *sum_lo) {
-    v4d s = v * ELP_LIMB_SCALE;
-    v4d hi = floor4(s); /* the contract truncates to int64: the same for s >= 0 */
-    v4d lo = ((s - hi) * ELP_LIMB_SCALE + ELP_MAGIC) - ELP_MAGIC;
-    *sum_hi += hi;
-    *sum_lo += lo;
-}
+/* Integer-valued doubles of at most 2^FRAC_BITS, V4 per lane and step: every partial sum
+   stays <= 2^53, hence exact, for FLUSH_STEPS steps; then the lanes go to int64. */
+enum { FLUSH_STEPS = (1 << (53 - ELP_FRAC_BITS)) / V4 };
 
 typedef struct {
-    v4d e_hi, e_lo, w_hi, w_lo; /* exact while each lane holds <= 2^53 */
-    int64_t total[4];           /* flushed sums: E_HI, E_LO, W_HI, W_LO */
-    v8i nonfinite;              /* minus the count, per lane */
+    v4d e_hi, e_lo, w_hi, w_lo;
+    int64_t total[4]; /* flushed sums: E_HI, E_LO, W_HI, W_LO */
+    v8i nonfinite;    /* minus the count, per lane */
 } row_sums;
+
+ELP_INLINE v4d exact_sum(const v4d v[V4]) { /* integer-valued, < 2^53: any order is exact */
+    v4d acc = v[0];
+    for (int i = 1; i < V4; ++i) acc += v[i];
+    return acc;
+}
+
+/* contract.quantize of v in [0, 1]: hi = floor(v 2^42), lo = rint_even((v 2^42 - hi) 2^42),
+   as integer-valued doubles, added to the lane sums. */
+ELP_INLINE void quantize_add(const v4d v[V4], v4d *sum_hi, v4d *sum_lo) {
+    v4d hi[V4], lo[V4];
+    for (int i = 0; i < V4; ++i) {
+        v4d s = v[i] * ELP_LIMB_SCALE;
+        hi[i] = floor4(s); /* the contract truncates to int64: the same for s >= 0 */
+        lo[i] = ((s - hi[i]) * ELP_LIMB_SCALE + ELP_MAGIC) - ELP_MAGIC;
+    }
+    *sum_hi += exact_sum(hi);
+    *sum_lo += exact_sum(lo);
+}
 
 ELP_INLINE int64_t lanes_total(v4d v) {
     return (int64_t)v[0] + (int64_t)v[1] + (int64_t)v[2] + (int64_t)v[3];
@@ -219,44 +236,72 @@ ELP_INLINE void flush(row_sums *s) {
 
 /* ------------------------------------------------------------------ the element steps */
 
-/* term = valid & CUTOFF <= d <= 0 (NaN and +-inf fail a compare); dz = d on terms, else 0 */
-ELP_INLINE v4l term_of(v4d d, v4l valid, v4d *dz) {
-    v4l term = valid & (d >= ELP_CUTOFF) & (d <= 0.0);
-    *dz = and4(term, d);
-    return term;
+ELP_INLINE void widen(const v8f y8[V8], const v8i valid8[V8], v4d y[V4], v4l valid[V4]) {
+    for (int q = 0; q < V8; ++q) {
+        y[2 * q] = widen_lo(y8[q]);
+        y[2 * q + 1] = widen_hi(y8[q]);
+        valid[2 * q] = widen_mask_lo(valid8[q]);
+        valid[2 * q + 1] = widen_mask_hi(valid8[q]);
+    }
 }
 
-/* Add four columns' terms to the row sums (contract.local_partials). */
-ELP_INLINE void partials4(v4d y, v4l valid, v4d m, row_sums *s, const int entropy) {
-    v4d dz;
-    v4l term = term_of(y - m, valid, &dz);
-    v4d e = and4(term, exp_c4(dz));
+/* d = y - M; term = valid & CUTOFF <= d <= 0 (NaN, +-inf fail a compare); dz = term ? d : 0 */
+ELP_INLINE void terms(const v4d y[V4], const v4l valid[V4], v4d m, v4l term[V4], v4d dz[V4]) {
+    for (int i = 0; i < V4; ++i) {
+        v4d d = y[i] - m;
+        term[i] = valid[i] & (d >= ELP_CUTOFF) & (d <= 0.0);
+        dz[i] = and4(term[i], d);
+    }
+}
+
+/* Add LANES columns to the row sums (contract.local_partials). */
+ELP_INLINE void partials_step(const v8f y8[V8], const v8i valid8[V8], v4d m, row_sums *s,
+                              const int entropy) {
+    v4d y[V4], dz[V4], e[V4];
+    v4l valid[V4], term[V4];
+    widen(y8, valid8, y, valid);
+    terms(y, valid, m, term, dz);
+    exp_c(dz, e);
+    for (int i = 0; i < V4; ++i) e[i] = and4(term[i], e[i]);
     quantize_add(e, &s->e_hi, &s->e_lo);
-    if (entropy) quantize_add(e * (-dz), &s->w_hi, &s->w_lo);
+    if (entropy) {
+        v4d w[V4];
+        for (int i = 0; i < V4; ++i) w[i] = e[i] * (-dz[i]);
+        quantize_add(w, &s->w_hi, &s->w_lo);
+    }
+    for (int q = 0; q < V8; ++q) s->nonfinite += valid8[q] & ~(y8[q] < __builtin_inff());
 }
 
 typedef struct {
     v4d m, s_hi, log_s, h, a, b, t, tau;
+    v4l target; /* local target column, -1 if not here */
+    int divide;
 } grad_row;
 
-/* Four gradients in fp64 (contract.grad_block before the NaN rows and the casts). */
-ELP_INLINE v4d grad4(v4d y, v4l valid, v4l is_target, const grad_row *g, const int entropy,
-                     const int divide) {
-    v4d dz;
-    v4l term = term_of(y - g->m, valid, &dz);
-    v4d p = exp_c4(dz) / g->s_hi;
-    v4d out;
-    if (entropy) {
-        v4d q = (dz - g->log_s) + g->h;
-        out = p * (g->a - g->b * q);
-    } else {
-        out = p * g->a;
+/* LANES gradients from column j on, in fp32 (contract.grad_block before the NaN rows and
+   the cast to dtype). */
+ELP_INLINE void grad_step(const v8f y8[V8], const v8i valid8[V8], int64_t j, const grad_row *g,
+                          const int entropy, v8f out8[V8]) {
+    v4d y[V4], dz[V4], e[V4], out[V4];
+    v4l valid[V4], term[V4];
+    widen(y8, valid8, y, valid);
+    terms(y, valid, g->m, term, dz);
+    exp_c(dz, e);
+    for (int i = 0; i < V4; ++i) {
+        v4d p = e[i] / g->s_hi;
+        if (entropy) {
+            v4d q = (dz[i] - g->log_s) + g->h;
+            out[i] = p * (g->a - g->b * q);
+        } else {
+            out[i] = p * g->a;
+        }
+        out[i] = and4(term[i], out[i]);
+        v4l col = (v4l){0, 1, 2, 3} + (j + 4 * i);
+        out[i] = select4(col == g->target, out[i] + g->t, out[i]);
+        if (g->divide) out[i] = out[i] / g->tau;
     }
-    out = and4(term, out);
-    out = select4(is_target, out + g->t, out);
-    return divide ? out / g->tau : out;
+    for (int q = 0; q < V8; ++q) out8[q] = narrow(out[2 * q], out[2 * q + 1]);
 }
-
 
 /* ------------------------------------------------------------------ casts of the gradient */
 
@@ -301,7 +346,7 @@ ELP_INLINE int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
 ELP_INLINE v8i lanes_below(int64_t count) {
     v8i idx = {0, 1, 2, 3, 4, 5, 6, 7};
-    int32_t c = count < 0 ? 0 : count > LANES ? LANES : (int32_t)count;
+    int32_t c = count < 0 ? 0 : count > 8 ? 8 : (int32_t)count;
     return idx < c;
 }
 
@@ -329,7 +374,8 @@ ELP_INLINE row_view row_of(const elp_shard *s, int64_t r, const int dtype) {
 
 /* y and validity (real and kept) of columns [j, j + LANES) of columns [0, end); a short
    last step goes through a zeroed buffer and its missing lanes are invalid. */
-ELP_INLINE v8f load_step(const row_view *v, int64_t j, int64_t end, const int dtype, v8i *valid) {
+ELP_INLINE void load_step(const row_view *v, int64_t j, int64_t end, const int dtype,
+                          v8f y[V8], v8i valid[V8]) {
     int64_t count = min64(LANES, end - j), es = elem_size(dtype);
     const char *px = v->x + j * es;
     const uint8_t *pk = v->keep ? v->keep + j : NULL;
@@ -345,25 +391,34 @@ ELP_INLINE v8f load_step(const row_view *v, int64_t j, int64_t end, const int dt
             pk = kbuf;
         }
     }
-    v8i ok = lanes_below(min64(count, v->n_real - j));
-    *valid = pk ? ok & load_keep8(pk) : ok;
-    v8f y = load8(px, dtype);
-    return v->divide ? y / splat8(v->tau32) : y; /* stage 1: fp32 division */
+    int64_t real = min64(count, v->n_real - j);
+    for (int q = 0; q < V8; ++q) {
+        v8i ok = lanes_below(real - 8 * q);
+        valid[q] = pk ? ok & load_keep8(pk + 8 * q) : ok;
+        v8f x = load8(px + 8 * q * es, dtype);
+        y[q] = v->divide ? x / splat8(v->tau32) : x; /* stage 1: fp32 division */
+    }
 }
 
 /* --- 2. row max over the real, kept columns; NaN and +inf do not take part --- */
 
 ELP_INLINE float row_max_row(const elp_shard *s, int64_t r, const int dtype) {
     row_view v = row_of(s, r, dtype);
-    v8f best = splat8(-__builtin_inff());
+    v8f best[V8];
+    for (int q = 0; q < V8; ++q) best[q] = splat8(-__builtin_inff());
     for (int64_t j = 0; j < v.n_real; j += LANES) {
-        v8i valid;
-        v8f y = load_step(&v, j, v.n_real, dtype, &valid);
-        v8f cand = select8(valid & (y < __builtin_inff()), y, splat8(-__builtin_inff()));
-        best = select8(cand > best, cand, best);
+        v8f y[V8];
+        v8i valid[V8];
+        load_step(&v, j, v.n_real, dtype, y, valid);
+        for (int q = 0; q < V8; ++q) {
+            v8f cand = select8(valid[q] & (y[q] < __builtin_inff()), y[q],
+                               splat8(-__builtin_inff()));
+            best[q] = select8(cand > best[q], cand, best[q]);
+        }
     }
     float out = -__builtin_inff();
-    for (int i = 0; i < LANES; ++i) out = best[i] > out ? best[i] : out;
+    for (int q = 0; q < V8; ++q)
+        for (int i = 0; i < 8; ++i) out = best[q][i] > out ? best[q][i] : out;
     return out;
 }
 
@@ -377,11 +432,10 @@ ELP_INLINE void partials_row(const elp_shard *s, const float *row_max, const int
     memset(&sums, 0, sizeof sums);
     int64_t steps = 0;
     for (int64_t j = 0; j < v.n_real; j += LANES) {
-        v8i valid;
-        v8f y = load_step(&v, j, v.n_real, dtype, &valid);
-        partials4(widen_lo(y), widen_mask_lo(valid), m, &sums, entropy);
-        partials4(widen_hi(y), widen_mask_hi(valid), m, &sums, entropy);
-        sums.nonfinite += valid & ~(y < __builtin_inff()); /* NaN or +inf */
+        v8f y[V8];
+        v8i valid[V8];
+        load_step(&v, j, v.n_real, dtype, y, valid);
+        partials_step(y, valid, m, &sums, entropy);
         if (++steps == FLUSH_STEPS) {
             flush(&sums);
             steps = 0;
@@ -395,13 +449,14 @@ ELP_INLINE void partials_row(const elp_shard *s, const float *row_max, const int
     out[ELP_COL_E_LO] = sums.total[1];
     out[ELP_COL_W_HI] = sums.total[2];
     out[ELP_COL_W_LO] = sums.total[3];
-    for (int i = 0; i < LANES; ++i) out[ELP_COL_NONFINITE] -= sums.nonfinite[i];
+    for (int i = 0; i < 8; ++i) out[ELP_COL_NONFINITE] -= sums.nonfinite[i];
     int64_t t = target_col[r];
-    if (t >= 0) { /* the owner sends y_t's bits; everyone sends the counts */
-        v8i ignored;
-        float y_t = load_step(&v, t, t + 1, dtype, &ignored)[0];
+    if (t >= 0) { /* the owner sends y_t's bits; every shard sends the counts */
+        v8f y[V8];
+        v8i valid[V8];
+        load_step(&v, t, t + 1, dtype, y, valid);
         int32_t bits;
-        memcpy(&bits, &y_t, sizeof bits);
+        memcpy(&bits, &y[0][0], sizeof bits);
         out[ELP_COL_TARGET_BITS] = bits; /* sign-extended, as int32 -> int64 */
         out[ELP_COL_OWNERS] = 1;
         out[ELP_COL_TARGET_MASKED] = v.keep != NULL && !v.keep[t];
@@ -420,18 +475,22 @@ ELP_INLINE grad_row grad_row_of(const elp_grad_stats *st, const row_view *v, int
     g.b = splat4(st->coef_b[r]);
     g.t = splat4(st->coef_t[r]);
     g.tau = splat4(v->tau64);
+    int64_t t = st->target_col[r];
+    g.target = (v4l){t, t, t, t};
+    g.divide = v->divide;
     return g;
 }
 
-/* Store the first `count` of eight fp32 values as `dtype`. */
-ELP_INLINE void store_step(char *p, v8f f, int64_t count, const int dtype) {
+/* Store the first `count` of LANES fp32 values as `dtype`. */
+ELP_INLINE void store_step(char *p, const v8f f[V8], int64_t count, const int dtype) {
+    int64_t es = elem_size(dtype);
     if (count == LANES) {
-        store8(p, f, dtype);
+        for (int q = 0; q < V8; ++q) store8(p + 8 * q * es, f[q], dtype);
         return;
     }
     char buf[LANES * 4];
-    store8(buf, f, dtype);
-    memcpy(p, buf, count * elem_size(dtype));
+    for (int q = 0; q < V8; ++q) store8(buf + 8 * q * es, f[q], dtype);
+    memcpy(p, buf, count * es);
 }
 
 ELP_INLINE void grad_row_fn(const elp_shard *s, const elp_grad_stats *st, char *out_base,
@@ -439,19 +498,18 @@ ELP_INLINE void grad_row_fn(const elp_shard *s, const elp_grad_stats *st, char *
     int64_t es = elem_size(dtype), n = s->n_cols;
     char *out = out_base + r * n * es;
     if (st->row_nan[r]) { /* NaN in every column, cast like any other value */
-        v8f nan = narrow(splat4(__builtin_nan("")), splat4(__builtin_nan("")));
+        v8f nan[V8];
+        for (int q = 0; q < V8; ++q) nan[q] = narrow(splat4(__builtin_nan("")), splat4(__builtin_nan("")));
         for (int64_t j = 0; j < n; j += LANES) store_step(out + j * es, nan, min64(LANES, n - j), dtype);
         return;
     }
     row_view v = row_of(s, r, dtype);
     grad_row g = grad_row_of(st, &v, r);
-    v4l t = {st->target_col[r], st->target_col[r], st->target_col[r], st->target_col[r]};
     for (int64_t j = 0; j < n; j += LANES) { /* padding columns too: they get 0 / tau */
-        v8i valid;
-        v8f y = load_step(&v, j, n, dtype, &valid);
-        v4l c0 = {j, j + 1, j + 2, j + 3}, c1 = c0 + 4;
-        v8f f = narrow(grad4(widen_lo(y), widen_mask_lo(valid), c0 == t, &g, entropy, v.divide),
-                       grad4(widen_hi(y), widen_mask_hi(valid), c1 == t, &g, entropy, v.divide));
+        v8f y[V8], f[V8];
+        v8i valid[V8];
+        load_step(&v, j, n, dtype, y, valid);
+        grad_step(y, valid, j, &g, entropy, f);
         store_step(out + j * es, f, min64(LANES, n - j), dtype);
     }
 }
@@ -567,9 +625,25 @@ int elp_partials(const elp_shard *s, const float *row_max, const int64_t *target
     return 0;
 }
 
+/* Ask for transparent huge pages on a fresh output buffer before its first write: the
+   gradient is as large as the logits, and faulting it in 4 KiB pages costs more than
+   computing it on small VMs. Only whole 2 MiB pages inside the buffer are affected; a
+   kernel without THP ignores the hint. */
+static void prefer_huge_pages(void *p, size_t bytes) {
+#if defined(MADV_HUGEPAGE)
+    const uintptr_t huge = (uintptr_t)1 << 21;
+    uintptr_t lo = ((uintptr_t)p + huge - 1) & ~(huge - 1), hi = ((uintptr_t)p + bytes) & ~(huge - 1);
+    if (hi > lo) madvise((void *)lo, hi - lo, MADV_HUGEPAGE);
+#else
+    (void)p;
+    (void)bytes;
+#endif
+}
+
 /* out[n_rows, n_cols] in the logits' dtype, contiguous. */
 int elp_grad(const elp_shard *s, const elp_grad_stats *stats, int32_t with_entropy, void *out) {
     if (bad_shard(s)) return -1;
+    prefer_huge_pages(out, (size_t)(s->n_rows * s->n_cols * (s->dtype == ELP_F32 ? 4 : 2)));
     elp_job job = {s, NULL, NULL, stats, out, variant_of(s, with_entropy)};
     run_rows(grad_rows, &job);
     return 0;
@@ -588,6 +662,7 @@ int elp_constants(double *out, int capacity) {
     v[n++] = ELP_LN2_32_LO;
     for (int i = 0; i < (1 << ELP_TABLE_BITS); ++i) v[n++] = exp2_table[i];
     for (int i = 0; i < ELP_EXP_POLY_LEN; ++i) v[n++] = exp_poly[i];
+    v[n++] = ELP_FRAC_BITS;
     v[n++] = ELP_NUM_COLS;
     v[n++] = ELP_COL_E_HI;
     v[n++] = ELP_COL_E_LO;
