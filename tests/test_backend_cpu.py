@@ -312,3 +312,28 @@ def test_random_partitions_match_reference(cpu, cuts, dtype, seed):
     fin_r = simulate_shards(x, target, boundaries, backend="reference")
     for field in ("logprobs", "entropy", "lse", "bad"):
         assert_bitwise_equal(getattr(fin_c, field), getattr(fin_r, field), field)
+
+
+# --- the portable build (no AVX2) gives the same bits ---
+
+
+def test_baseline_isa_build_matches_reference(cpu, ref):
+    from exactlogp.backends.cpu import CpuBackend
+
+    baseline = CpuBackend(isa="baseline")
+    assert not baseline.uses_avx2
+    x, target = llm_like_logits(6, 507, torch.float16, seed=11)
+    keep = torch.rand(6, 507, generator=torch.Generator().manual_seed(5)) < 0.7
+    keep[torch.arange(6), target] = True
+    tau = 0.5 + torch.rand(6, generator=torch.Generator().manual_seed(6))
+    plan = ShardPlan(0, 500, -100, True)
+    target = target.clamp(max=499)
+    m = ref.row_max(x, tau, keep, plan)
+    record = ref.partials(x, target, tau, keep, m, plan)
+    fin = contract.finalize(m, record, target, 500, -100, None)
+    stats = _stats_for(fin, seed=1)._replace(row_max=m)
+    for impl in (baseline, cpu):
+        assert_bitwise_equal(impl.row_max(x, tau, keep, plan), m, "row max")
+        assert_bitwise_equal(impl.partials(x, target, tau, keep, m, plan), record, "record")
+        expected = ref.grad(x, target, tau, keep, stats, plan)
+        assert_bitwise_equal(impl.grad(x, target, tau, keep, stats, plan), expected, "grad")
