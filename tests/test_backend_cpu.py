@@ -96,6 +96,16 @@ def test_without_a_compiler_cpu_says_why_and_auto_falls_back(tmp_path):
     assert "no C compiler found" in run.stdout
 
 
+def test_isa_override_is_checked(monkeypatch):
+    monkeypatch.setenv("EXACTLOGP_CPU_ISA", "avx9000")
+    with pytest.raises(cpu_build.CpuBuildError, match="EXACTLOGP_CPU_ISA"):
+        cpu_build.default_isa()
+    monkeypatch.setenv("EXACTLOGP_CPU_ISA", "baseline")
+    assert cpu_build.default_isa() == "baseline"
+    with pytest.raises(ValueError, match="isa must be one of"):
+        cpu_build.build("avx9000")
+
+
 def test_num_threads_is_checked():
     from exactlogp.backends.cpu import CpuBackend
 
