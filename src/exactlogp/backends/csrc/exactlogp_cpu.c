@@ -159,8 +159,8 @@ ELP_INLINE v8i load_keep8(const uint8_t *p) { return load_u8x8(p) != 0; }
 
 /* Every step handles V4 vectors of four doubles (LANES columns) stage by stage across all
    of them, so that their long dependency chains (Horner, division) interleave: the loop is
-   latency-bound otherwise. On Zen 3, V4 = 8 ran 8-13 % faster than 4 and 30 % faster
-   than 2; 12 and 16 gained nothing more. */
+   latency-bound otherwise. On Zen 3, V4 = 8 ran 8-13 % faster than 4 and about 25 %
+   faster than 2; 12 and 16 gained nothing more. */
 enum { V8 = 4, V4 = 2 * V8, LANES = 8 * V8 };
 
 static const double exp2_table[1 << ELP_TABLE_BITS] = ELP_EXP2_TABLE;
