@@ -66,6 +66,11 @@ def _unit_column_stride(t: torch.Tensor) -> torch.Tensor:
     return t if t.shape[-1] <= 1 or t.stride(-1) == 1 else t.contiguous()
 
 
+def _target_columns(target: torch.Tensor, num_cols: int, plan: ShardPlan) -> torch.Tensor:
+    """(N,) int64, contiguous: the owned local target column, -1 elsewhere."""
+    return owned_target_columns(target.to(torch.int64), num_cols, plan).contiguous()
+
+
 def _f32(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.float32).contiguous()
 
@@ -141,7 +146,7 @@ class CpuBackend(Backend):
     def partials(self, logits, target, temperature, keep_mask, row_max, plan):
         record = torch.empty(logits.shape[0], contract.NUM_COLS, dtype=torch.int64)
         shard, _alive = self._shard(logits, temperature, keep_mask, plan)
-        target_col = owned_target_columns(target, logits.shape[-1], plan).contiguous()
+        target_col = _target_columns(target, logits.shape[-1], plan)
         m = _f32(row_max)
         status = self._lib.elp_partials(
             ctypes.byref(shard), m.data_ptr(), target_col.data_ptr(),
@@ -156,7 +161,7 @@ class CpuBackend(Backend):
         arrays = {"row_max": _f32(stats.row_max)}
         arrays.update({name: _f64(getattr(stats, name)) for name in _GRAD_FIELDS[1:]})
         arrays["row_nan"] = stats.row_nan.to(torch.bool).contiguous().view(torch.uint8)
-        arrays["target_col"] = owned_target_columns(target, logits.shape[-1], plan).contiguous()
+        arrays["target_col"] = _target_columns(target, logits.shape[-1], plan)
         c_stats = _GradStats(**{name: t.data_ptr() for name, t in arrays.items()})
         status = self._lib.elp_grad(
             ctypes.byref(shard), ctypes.byref(c_stats), int(plan.with_entropy), out.data_ptr()

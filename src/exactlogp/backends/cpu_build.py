@@ -17,8 +17,10 @@ shared between machines never hands one a library it cannot run.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
+import logging
 import os
 import platform
 import shutil
@@ -29,6 +31,13 @@ from importlib import resources
 from pathlib import Path
 
 from .. import contract
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: no build lock, the atomic rename still keeps builds safe
+    fcntl = None
+
+log = logging.getLogger(__name__)
 
 SOURCE_NAME = "exactlogp_cpu.c"
 HEADER_NAME = "exactlogp_constants.h"
@@ -190,6 +199,21 @@ def _compile(compiler: str, source: str, header: str, isa: str, target: Path) ->
         os.replace(out, target)
 
 
+@contextlib.contextmanager
+def _build_lock(directory: Path):
+    """One build at a time per cache directory: the processes of a freshly started
+    process group would otherwise all compile the same library at once."""
+    if fcntl is None:
+        yield
+        return
+    with open(directory / ".build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
 def build(isa: str | None = None) -> Path:
     """Path of the compiled library for `isa` (default: this CPU's), compiled first
     unless the cache has it."""
@@ -198,9 +222,13 @@ def build(isa: str | None = None) -> Path:
         raise ValueError(f"isa must be one of {sorted(ISA_FLAGS)}, got {isa!r}")
     source, header = _source(), constants_header()
     compiler = find_compiler()
-    target = _writable_cache_dir() / _library_name(source, header, compiler, isa)
+    directory = _writable_cache_dir()
+    target = directory / _library_name(source, header, compiler, isa)
     if not target.exists():
-        _compile(compiler, source, header, isa, target)
+        with _build_lock(directory):
+            if not target.exists():  # another process may have built it meanwhile
+                log.info("compiling the exactlogp CPU kernels (%s, once) into %s", isa, target)
+                _compile(compiler, source, header, isa, target)
     return target
 
 
