@@ -1,7 +1,8 @@
 """The fused CPU backend: each pass is one multi-threaded, vectorised C kernel.
 
 row_max, partials and grad each read the logits once, row by row, and keep nothing of
-size [N, V] besides grad's output: the extra memory of forward is O(N). The kernels
+size [N, V] besides grad's output: the extra memory of forward is O(N) (logits whose
+columns are not adjacent in memory are copied once first). The kernels
 (csrc/exactlogp_cpu.c, built by cpu_build) apply contract.py's IEEE operations in the
 same order, so every output is bitwise that of the reference backend.
 """
@@ -112,7 +113,14 @@ class CpuBackend(Backend):
         if plan.vocab_size is not None:
             n_real = min(max(plan.vocab_size - plan.vocab_start, 0), n_cols)
         keep = None if keep_mask is None else _unit_column_stride(keep_mask).view(torch.uint8)
-        tau_rows = _f32(temperature) if isinstance(temperature, torch.Tensor) else None
+        tau_rows = None
+        if isinstance(temperature, torch.Tensor):
+            tau_rows = _f32(temperature).reshape(-1)
+            if tau_rows.numel() != n_rows:  # the kernel reads one per row
+                raise ValueError(
+                    f"temperature must hold one value per row ({n_rows}), got shape "
+                    f"{tuple(temperature.shape)}"
+                )
         threads = self.num_threads or torch.get_num_threads()
         threads = max(1, min(threads, n_rows * n_cols // MIN_ELEMENTS_PER_THREAD))
         shard = _Shard(
