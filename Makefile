@@ -6,7 +6,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
-EXTRAS ?= test,dev,report,megatron,examples
+EXTRAS ?= test,dev,report,bench,megatron,examples
 REPORT_ARGS ?=
 STAMP := $(VENV)/.exactlogp-setup
 
@@ -18,6 +18,9 @@ $(STAMP): pyproject.toml Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
 	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
+	@# the fused CPU backend compiles its C kernels once into a cache; without a C compiler
+	@# the package still works with backend="reference" (and backend="cpu" says why)
+	@$(PY) -m exactlogp.backends.cpu_build >/dev/null || echo "exactlogp: backend='cpu' not built (reason above)"
 	@touch $(STAMP)
 
 test: setup

@@ -71,6 +71,18 @@ def test_ignore_index_rows_are_zero_with_zero_gradient(batch):
     assert_bitwise_equal(custom.logprobs[[0, 2, 3, 5]], res.logprobs[[0, 2, 3, 5]])
 
 
+def test_ignored_rows_do_not_use_their_temperature(batch):
+    x, t = batch
+    t = t.clone()
+    t[[0, 3]] = -100
+    tau = torch.tensor([0.0, 0.5, 0.9, -1.0, 1.2, 2.0])  # bad values only on ignored rows
+    x = x.clone().requires_grad_(True)
+    res = run(x, t, temperature=tau, with_entropy=True)
+    (res.logprobs.sum() + res.entropy.sum() + res.lse.sum()).backward()
+    assert_bitwise_equal(x.grad[[0, 3]], torch.zeros(2, x.shape[1]))
+    assert torch.isfinite(x.grad).all()
+
+
 def test_keep_mask_equals_dropping_the_columns(batch):
     x, t = batch
     keep = torch.ones(x.shape[1], dtype=torch.bool)

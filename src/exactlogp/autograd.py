@@ -78,7 +78,10 @@ class SelectedLogprobsFunction(torch.autograd.Function):
         (logits, target, temperature_tensor, keep_mask,
          row_max, s_hi, log_s, entropy64, bad, ignored) = ctx.saved_tensors  # fmt: skip
         opts = ctx.opts
-        temperature = ctx.scalar_temperature if temperature_tensor is None else temperature_tensor
+        temperature = ctx.scalar_temperature
+        if temperature_tensor is not None:
+            # an ignored row's temperature is never used: its gradient is +0 even if tau <= 0
+            temperature = torch.where(ignored, 1.0, temperature_tensor)
 
         def per_row(g):
             if g is None or g.numel() == 0:

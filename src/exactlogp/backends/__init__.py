@@ -11,11 +11,12 @@ from .base import Backend, ShardPlan
 # name -> (module, class)
 _REGISTRY: dict[str, tuple[str, str]] = {
     "reference": ("exactlogp.backends.reference", "ReferenceBackend"),
+    "cpu": ("exactlogp.backends.cpu", "CpuBackend"),
     "triton": ("exactlogp.backends.triton", "TritonBackend"),
 }
 # "auto" picks the first (name, device types or None for any) that loads and supports the
 # device; Triton is offered only for CUDA (on CPU it would run in its slow interpreter).
-_AUTO_ORDER = (("triton", ("cuda",)), ("reference", None))
+_AUTO_ORDER = (("triton", ("cuda",)), ("cpu", ("cpu",)), ("reference", None))
 _cache: dict[str, Backend] = {}
 
 

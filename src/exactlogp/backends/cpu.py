@@ -1,0 +1,178 @@
+"""The fused CPU backend: each pass is one multi-threaded, vectorised C kernel.
+
+row_max, partials and grad each read the logits once, row by row, and keep nothing of
+size [N, V] besides grad's output: the extra memory of forward is O(N) (logits whose
+columns are not adjacent in memory are copied once first). The kernels
+(csrc/exactlogp_cpu.c, built by cpu_build) apply contract.py's IEEE operations in the
+same order, so every output is bitwise that of the reference backend.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from .. import contract
+from ..contract import GradStats
+from . import cpu_build
+from .base import Backend, ShardPlan
+from .reference import owned_target_columns
+
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+# Below this many logits per thread, starting a thread costs more than it saves.
+MIN_ELEMENTS_PER_THREAD = 1 << 16
+
+
+class _Shard(ctypes.Structure):  # elp_shard in the C source
+    _fields_ = [
+        ("x", ctypes.c_void_p),
+        ("row_stride", ctypes.c_int64),
+        ("n_rows", ctypes.c_int64),
+        ("n_cols", ctypes.c_int64),
+        ("n_real", ctypes.c_int64),
+        ("keep", ctypes.c_void_p),
+        ("keep_stride", ctypes.c_int64),
+        ("tau_rows", ctypes.c_void_p),
+        ("tau", ctypes.c_double),
+        ("dtype", ctypes.c_int32),
+        ("num_threads", ctypes.c_int32),
+    ]
+
+
+_GRAD_FIELDS = ("row_max", "s_hi", "log_s", "entropy64", "coef_a", "coef_b", "coef_t")
+
+
+class _GradStats(ctypes.Structure):  # elp_grad_stats in the C source
+    _fields_ = [(name, ctypes.c_void_p) for name in (*_GRAD_FIELDS, "row_nan", "target_col")]
+
+
+def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
+    ptr = ctypes.c_void_p
+    shard = ctypes.POINTER(_Shard)
+    signatures = {
+        "elp_row_max": [shard, ptr],
+        "elp_partials": [shard, ptr, ptr, ctypes.c_int32, ptr],
+        "elp_grad": [shard, ctypes.POINTER(_GradStats), ctypes.c_int32, ptr],
+    }
+    for name, argtypes in signatures.items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = argtypes, ctypes.c_int
+    lib.elp_uses_avx2.restype = ctypes.c_int
+    return lib
+
+
+def _unit_column_stride(t: torch.Tensor) -> torch.Tensor:
+    """t itself when its columns are adjacent (any row stride), else a contiguous copy."""
+    return t if t.shape[-1] <= 1 or t.stride(-1) == 1 else t.contiguous()
+
+
+def _target_columns(target: torch.Tensor, num_cols: int, plan: ShardPlan) -> torch.Tensor:
+    """(N,) int64, contiguous: the owned local target column, -1 elsewhere."""
+    return owned_target_columns(target.to(torch.int64), num_cols, plan).contiguous()
+
+
+def _f32(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.float32).contiguous()
+
+
+def _f64(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.float64).contiguous()
+
+
+class CpuBackend(Backend):
+    """`num_threads`: threads per pass, None follows torch.get_num_threads();
+    `isa`: "avx2" or "baseline", None picks this CPU's best (cpu_build.default_isa)."""
+
+    name = "cpu"
+
+    def __init__(self, num_threads: int | None = None, isa: str | None = None):
+        if num_threads is not None and (
+            isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1
+        ):
+            raise ValueError(f"num_threads must be None or an int >= 1, got {num_threads!r}")
+        self.num_threads = num_threads
+        self._lib = _bind(cpu_build.load(isa))
+
+    def supports(self, device: torch.device) -> bool:
+        return torch.device(device).type == "cpu"
+
+    @property
+    def uses_avx2(self) -> bool:
+        return bool(self._lib.elp_uses_avx2())
+
+    # --- the shard description every kernel reads ---
+
+    def _shard(self, logits, temperature, keep_mask, plan: ShardPlan):
+        """(elp_shard, tensors that must outlive the call)."""
+        if logits.dtype not in _DTYPE_CODES:
+            raise TypeError(f"backend 'cpu' supports bf16/fp16/fp32 logits, got {logits.dtype}")
+        x = _unit_column_stride(logits)
+        n_rows, n_cols = x.shape
+        n_real = n_cols
+        if plan.vocab_size is not None:
+            n_real = min(max(plan.vocab_size - plan.vocab_start, 0), n_cols)
+        keep = None if keep_mask is None else _unit_column_stride(keep_mask).view(torch.uint8)
+        tau_rows = None
+        if isinstance(temperature, torch.Tensor):
+            tau_rows = _f32(temperature).reshape(-1)
+            if tau_rows.numel() != n_rows:  # the kernel reads one per row
+                raise ValueError(
+                    f"temperature must hold one value per row ({n_rows}), got shape "
+                    f"{tuple(temperature.shape)}"
+                )
+        threads = self.num_threads or torch.get_num_threads()
+        threads = max(1, min(threads, n_rows * n_cols // MIN_ELEMENTS_PER_THREAD))
+        shard = _Shard(
+            x=x.data_ptr(),
+            row_stride=x.stride(0),
+            n_rows=n_rows,
+            n_cols=n_cols,
+            n_real=n_real,
+            keep=None if keep is None else keep.data_ptr(),
+            keep_stride=0 if keep is None else keep.stride(0),
+            tau_rows=None if tau_rows is None else tau_rows.data_ptr(),
+            tau=1.0 if tau_rows is not None else float(temperature),
+            dtype=_DTYPE_CODES[logits.dtype],
+            num_threads=threads,
+        )
+        return shard, (x, keep, tau_rows)
+
+    @staticmethod
+    def _check(status: int, what: str) -> None:
+        if status != 0:
+            raise RuntimeError(f"the CPU {what} kernel rejected its shard description")
+
+    # --- the three passes ---
+
+    def row_max(self, logits, temperature, keep_mask, plan):
+        out = torch.empty(logits.shape[0], dtype=torch.float32)
+        shard, _alive = self._shard(logits, temperature, keep_mask, plan)
+        self._check(self._lib.elp_row_max(ctypes.byref(shard), out.data_ptr()), "row max")
+        return out
+
+    def partials(self, logits, target, temperature, keep_mask, row_max, plan):
+        record = torch.empty(logits.shape[0], contract.NUM_COLS, dtype=torch.int64)
+        shard, _alive = self._shard(logits, temperature, keep_mask, plan)
+        target_col = _target_columns(target, logits.shape[-1], plan)
+        m = _f32(row_max)
+        status = self._lib.elp_partials(
+            ctypes.byref(shard), m.data_ptr(), target_col.data_ptr(),
+            int(plan.with_entropy), record.data_ptr(),
+        )  # fmt: skip
+        self._check(status, "partials")
+        return record
+
+    def grad(self, logits, target, temperature, keep_mask, stats: GradStats, plan):
+        out = torch.empty(logits.shape, dtype=logits.dtype)
+        shard, _alive = self._shard(logits, temperature, keep_mask, plan)
+        arrays = {"row_max": _f32(stats.row_max)}
+        arrays.update({name: _f64(getattr(stats, name)) for name in _GRAD_FIELDS[1:]})
+        arrays["row_nan"] = stats.row_nan.to(torch.bool).contiguous().view(torch.uint8)
+        arrays["target_col"] = _target_columns(target, logits.shape[-1], plan)
+        c_stats = _GradStats(**{name: t.data_ptr() for name, t in arrays.items()})
+        status = self._lib.elp_grad(
+            ctypes.byref(shard), ctypes.byref(c_stats), int(plan.with_entropy), out.data_ptr()
+        )
+        self._check(status, "grad")
+        return out

@@ -1,0 +1,255 @@
+"""Build and load the fused CPU kernels (csrc/exactlogp_cpu.c) on first use.
+
+The C source ships inside the package and is compiled by the system C compiler into a
+cache directory, keyed by a hash of the source, the generated constants header, the
+compiler and its flags; later processes load the cached library with ctypes. Nothing
+needs Python headers, a build step at install time, torch headers or a network, and a
+source checkout on PYTHONPATH works like an installed wheel. Without a compiler the
+package still works with the reference backend; backend="cpu" then says why it cannot.
+
+The numeric constants are not written in the C source: `constants_header()` generates
+them from contract.py (C99 hex literals, exact), so there is one definition of each.
+The instruction set is picked for this CPU ("avx2" on x86-64 CPUs that have it, else
+"baseline"; $EXACTLOGP_CPU_ISA overrides) and is part of the cache key, so a cache
+shared between machines never hands one a library it cannot run.
+`python -m exactlogp.backends.cpu_build` builds ahead of time (`make setup` does).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+from importlib import resources
+from pathlib import Path
+
+from .. import contract
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: no build lock, the atomic rename still keeps builds safe
+    fcntl = None
+
+log = logging.getLogger(__name__)
+
+SOURCE_NAME = "exactlogp_cpu.c"
+HEADER_NAME = "exactlogp_constants.h"
+# No FMA contraction and no fast-math: every + - * / must be the single IEEE operation
+# the contract names (-mfma is never passed either, so no FMA instruction can appear).
+CFLAGS = (
+    "-O3",
+    "-std=gnu11",
+    "-fPIC",
+    "-shared",
+    "-pthread",
+    "-ffp-contract=off",
+    "-fno-fast-math",
+)
+ISA_FLAGS = {"baseline": (), "avx2": ("-mavx2",)}
+COMPILE_TIMEOUT_S = 600
+
+
+class CpuBuildError(RuntimeError):
+    """The fused CPU kernels cannot be built or loaded here; the message says why."""
+
+
+# --- 1. the constants header, generated from contract.py ---
+
+_SCALARS = ("CUTOFF", "MAGIC", "LIMB_SCALE", "INV_LN2_32", "LN2_32_HI", "LN2_32_LO")
+_INTEGERS = (
+    "FRAC_BITS", "NUM_COLS", "COL_E_HI", "COL_E_LO", "COL_W_HI", "COL_W_LO",
+    "COL_TARGET_BITS", "COL_OWNERS", "COL_TARGET_MASKED", "COL_NONFINITE",
+)  # fmt: skip
+
+
+def _table_bits() -> int:
+    bits = len(contract.EXP2_TABLE).bit_length() - 1
+    if len(contract.EXP2_TABLE) != 1 << bits:
+        raise CpuBuildError(f"EXP2_TABLE length {len(contract.EXP2_TABLE)} is not a power of 2")
+    return bits
+
+
+def _c_double(value: float) -> str:
+    return f"({float(value).hex()})"
+
+
+def constants_header() -> str:
+    """The C header of every contract constant the kernels use, exact to the bit."""
+    lines = [f"/* Generated from exactlogp/contract.py ({contract.CONTRACT}); do not edit. */"]
+    lines += [f"#define ELP_{name} {_c_double(getattr(contract, name))}" for name in _SCALARS]
+    lines.append(f"#define ELP_TABLE_BITS {_table_bits()}")
+    table = ", ".join(_c_double(v) for v in contract.EXP2_TABLE)
+    lines.append(f"#define ELP_EXP2_TABLE {{{table}}}")
+    lines.append(f"#define ELP_EXP_POLY_LEN {len(contract.EXP_POLY)}")
+    poly = ", ".join(_c_double(v) for v in contract.EXP_POLY)
+    lines.append(f"#define ELP_EXP_POLY {{{poly}}}")
+    lines += [f"#define ELP_{name} {int(getattr(contract, name))}" for name in _INTEGERS]
+    return "\n".join(lines) + "\n"
+
+
+def expected_constants() -> list[float]:
+    """contract.py's values in the order `elp_constants` reports the compiled ones."""
+    values = [float(getattr(contract, name)) for name in _SCALARS]
+    values += list(contract.EXP2_TABLE) + list(contract.EXP_POLY)
+    return values + [float(getattr(contract, name)) for name in _INTEGERS]
+
+
+def compiled_constants(lib: ctypes.CDLL) -> list[float]:
+    """The constants the loaded library computes with, read back from it."""
+    buf = (ctypes.c_double * 128)()
+    count = lib.elp_constants(buf, len(buf))
+    return list(buf[:count])
+
+
+# --- 2. compile into the cache ---
+
+
+def default_isa() -> str:
+    """$EXACTLOGP_CPU_ISA, else "avx2" when this x86-64 CPU reports it, else "baseline"."""
+    isa = os.environ.get("EXACTLOGP_CPU_ISA")
+    if isa:
+        if isa not in ISA_FLAGS:
+            raise CpuBuildError(
+                f"EXACTLOGP_CPU_ISA must be one of {sorted(ISA_FLAGS)}, got {isa!r}"
+            )
+        return isa
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return "baseline"
+    try:
+        cpuinfo = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "baseline"
+    flags = next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines()
+                  if line.startswith("flags")), [])  # fmt: skip
+    return "avx2" if "avx2" in flags else "baseline"
+
+
+def find_compiler() -> str:
+    """$CC if set, else the first of cc, gcc, clang on PATH."""
+    cc = os.environ.get("CC")
+    candidates = [cc] if cc else ["cc", "gcc", "clang"]
+    for name in candidates:
+        path = shutil.which(name)
+        if path:
+            return path
+    looked = f"CC={cc!r}" if cc else "cc, gcc and clang on PATH"
+    raise CpuBuildError(
+        f"no C compiler found (looked for {looked}); install one (e.g. gcc) to use "
+        "backend='cpu', or use backend='reference'"
+    )
+
+
+def cache_dir() -> Path:
+    """$EXACTLOGP_CACHE_DIR, else $XDG_CACHE_HOME/exactlogp or ~/.cache/exactlogp."""
+    root = os.environ.get("EXACTLOGP_CACHE_DIR")
+    if root:
+        return Path(root)
+    xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(xdg) / "exactlogp"
+
+
+def _writable_cache_dir() -> Path:
+    for path in (cache_dir(), Path(tempfile.gettempdir()) / f"exactlogp-{os.getuid()}"):
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+            if os.access(path, os.W_OK):
+                return path
+        except OSError:
+            continue
+    raise CpuBuildError(f"no writable cache directory for the CPU kernels (tried {cache_dir()})")
+
+
+def _source() -> str:
+    return resources.files(__package__).joinpath("csrc", SOURCE_NAME).read_text()
+
+
+def _flags(isa: str) -> tuple[str, ...]:
+    return (*CFLAGS, *ISA_FLAGS[isa])
+
+
+def _library_name(source: str, header: str, compiler: str, isa: str) -> str:
+    key = "\0".join((source, header, compiler, " ".join(_flags(isa)), platform.machine()))
+    return f"exactlogp_cpu-{isa}-{hashlib.sha256(key.encode()).hexdigest()[:20]}.so"
+
+
+def _compile(compiler: str, source: str, header: str, isa: str, target: Path) -> None:
+    """Compile into a private directory, then rename into place: atomic, so processes
+    building at the same time never load a half-written library."""
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=".build-") as tmp:
+        (Path(tmp) / SOURCE_NAME).write_text(source)
+        (Path(tmp) / HEADER_NAME).write_text(header)
+        out = Path(tmp) / target.name
+        cmd = [compiler, *_flags(isa), "-o", str(out), str(Path(tmp) / SOURCE_NAME)]
+        try:
+            run = subprocess.run(cmd, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            raise CpuBuildError(f"running the C compiler {compiler} failed: {exc}") from exc
+        if run.returncode != 0:
+            raise CpuBuildError(
+                f"compiling the CPU kernels ({isa}) with {compiler} failed:\n"
+                f"{run.stderr.strip()[-2000:]}"
+            )
+        os.replace(out, target)
+
+
+@contextlib.contextmanager
+def _build_lock(directory: Path):
+    """One build at a time per cache directory: the processes of a freshly started
+    process group would otherwise all compile the same library at once."""
+    if fcntl is None:
+        yield
+        return
+    with open(directory / ".build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def build(isa: str | None = None) -> Path:
+    """Path of the compiled library for `isa` (default: this CPU's), compiled first
+    unless the cache has it."""
+    isa = isa or default_isa()
+    if isa not in ISA_FLAGS:
+        raise ValueError(f"isa must be one of {sorted(ISA_FLAGS)}, got {isa!r}")
+    source, header = _source(), constants_header()
+    compiler = find_compiler()
+    directory = _writable_cache_dir()
+    target = directory / _library_name(source, header, compiler, isa)
+    if not target.exists():
+        with _build_lock(directory):
+            if not target.exists():  # another process may have built it meanwhile
+                log.info("compiling the exactlogp CPU kernels (%s, once) into %s", isa, target)
+                _compile(compiler, source, header, isa, target)
+    return target
+
+
+# --- 3. load ---
+
+
+def load(isa: str | None = None) -> ctypes.CDLL:
+    """The compiled kernels, checked to carry contract.py's constants."""
+    path = build(isa)
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as exc:
+        raise CpuBuildError(f"loading the compiled CPU kernels {path} failed: {exc}") from exc
+    if compiled_constants(lib) != expected_constants():
+        raise CpuBuildError(f"{path} was built with other constants than contract.py; delete it")
+    return lib
+
+
+if __name__ == "__main__":  # `python -m exactlogp.backends.cpu_build`: build ahead of time
+    try:
+        print(build())
+    except CpuBuildError as exc:
+        print(f"exactlogp: backend='cpu' unavailable: {exc}", file=sys.stderr)
+        sys.exit(1)

@@ -1,0 +1,1 @@
+"""Benchmarks of exactlogp against the pipelines it replaces (`exactlogp bench`)."""

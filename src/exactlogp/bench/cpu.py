@@ -1,0 +1,420 @@
+"""`exactlogp bench` (also benchmarks/cpu_bench.py): the fused CPU backend against the
+real megatron-core vocab-parallel cross-entropy and torch fp32 log_softmax + gather.
+
+Default run: the Qwen3-Next shape (1024 tokens x 151936 vocab, bf16, TP 1, one process),
+forward and forward+backward, the median of 5 alternating repeats (min and max shown),
+then the peak extra memory of each candidate, each in a fresh process. --profile times
+the backend's passes against this machine's memory bandwidth. --sweep adds sweeps over
+tokens (128 .. 4096) and vocab (32k .. 262k) with fewer repeats, written as Markdown
+tables and a PNG plot. Everything lands in --out (default docs/performance).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from . import candidates as cands
+from . import measure
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+SWEEP_TOKENS = (128, 256, 512, 1024, 2048, 4096)
+SWEEP_VOCAB = (32768, 65536, 131072, 151936, 262144)
+BASELINE = "megatron-core"
+OURS = "exactlogp-cpu"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="exactlogp bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--tokens", type=int, default=1024, help="rows N (default 1024)")
+    p.add_argument("--vocab", type=int, default=151936, help="vocabulary V (default 151936)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    p.add_argument("--repeats", type=int, default=5, help="alternating repeats (default 5)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--candidates", default=",".join(cands.CANDIDATES), help="comma-separated names")
+    p.add_argument("--no-memory", action="store_true", help="skip the peak-memory processes")
+    p.add_argument("--profile", action="store_true", help="time the backend passes")
+    p.add_argument("--sweep", action="store_true", help="also run the token and vocab sweeps")
+    p.add_argument("--sweep-repeats", type=int, default=3, help="repeats per sweep point")
+    p.add_argument(
+        "--sweep-candidates",
+        default=f"{OURS},{BASELINE},torch-fp32",
+        help="comma-separated names for the sweeps",
+    )
+    p.add_argument("--out", type=Path, default=Path("docs/performance"))
+    p.add_argument(
+        "--measure-memory", nargs=2, metavar=("CANDIDATE", "MODE"), help=argparse.SUPPRESS
+    )
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.measure_memory:
+        return _child_memory(args, *args.measure_memory)
+    names = _names("--candidates", args.candidates)
+    sweep_names = _names("--sweep-candidates", args.sweep_candidates)
+    args.out.mkdir(parents=True, exist_ok=True)
+    command = "exactlogp bench " + shlex.join(sys.argv[1:] if argv is None else argv)
+    try:
+        report = _main_shape(args, names)
+        report.update(command=command, machine=machine())
+        if args.profile:
+            report["profile"] = profile(args)
+        if args.sweep:
+            report["sweeps"] = sweeps(args, sweep_names)
+    finally:
+        cands.close_megatron()
+    _write(args.out, report)
+    return 0
+
+
+def _names(option: str, value: str) -> list[str]:
+    names = [n.strip() for n in value.split(",") if n.strip()]
+    for name in names:
+        if name not in cands.CANDIDATES:
+            raise SystemExit(
+                f"{option}: unknown candidate {name!r}; choose from {cands.CANDIDATES}"
+            )
+    return names
+
+
+# --- the main shape ---
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _main_shape(args, names: list[str]) -> dict:
+    x, target = cands.bench_inputs(args.tokens, args.vocab, DTYPES[args.dtype], args.seed)
+    _log(f"timing {names} on {args.tokens} x {args.vocab} {args.dtype}, {args.repeats} repeats")
+    timings = measure.time_alternating([cands.make(n) for n in names], x, target, args.repeats)
+    rows = {name: {mode: vars(timings[name, mode]) for mode in measure.MODES} for name in names}
+    if not args.no_memory:
+        shape_args = _shape_args(args, args.tokens, args.vocab)
+        for name in names:
+            for mode in measure.MODES:
+                _log(f"peak memory: {name} {mode}")
+                rows[name][mode]["peak_mib"] = measure.child_peak_mib(name, mode, shape_args)
+    report = {
+        "shape": {"tokens": args.tokens, "vocab": args.vocab, "dtype": args.dtype},
+        "threads": torch.get_num_threads(),
+        "repeats": args.repeats,
+        "results": rows,
+    }
+    print(main_table(report))
+    return report
+
+
+def _shape_args(args, tokens: int, vocab: int) -> list[str]:
+    out = ["--tokens", str(tokens), "--vocab", str(vocab), "--dtype", args.dtype]
+    out += ["--seed", str(args.seed), "--threads", str(torch.get_num_threads())]
+    return out
+
+
+def _child_memory(args, name: str, mode: str) -> int:
+    x, target = cands.bench_inputs(args.tokens, args.vocab, DTYPES[args.dtype], args.seed)
+    try:
+        step = getattr(cands.make(name), mode)
+        step(x, target)  # warm-up: lazy imports, the compiled kernels, thread pools
+        peak = measure.step_peak_mib(lambda: step(x, target))
+    finally:
+        cands.close_megatron()
+    print(json.dumps({"peak_mib": peak}))
+    return 0
+
+
+def _ms(t: dict) -> str:
+    return f"{t['median'] * 1e3:.0f} ({t['low'] * 1e3:.0f}-{t['high'] * 1e3:.0f})"
+
+
+def _ratio(rows: dict, name: str, other: str, mode: str) -> str:
+    if other not in rows:
+        return "-"
+    return f"{rows[name][mode]['median'] / rows[other][mode]['median']:.2f}x"
+
+
+def _mib(t: dict) -> str:
+    peak = t.get("peak_mib")
+    return "-" if peak is None else f"{peak:.0f}"
+
+
+def main_table(report: dict) -> str:
+    rows = report["results"]
+    head = (
+        "| candidate | forward ms, median (min-max) | forward+backward ms | forward vs "
+        "megatron-core | fwd+bwd vs megatron-core | forward vs torch-fp32 | fwd+bwd vs "
+        "torch-fp32 | peak extra MiB, forward | peak extra MiB, fwd+bwd |\n"
+        "|---|---|---|---|---|---|---|---|---|"
+    )
+    lines = [head]
+    for name, r in rows.items():
+        fwd, both = r["forward"], r["forward_backward"]
+        lines.append(
+            f"| {name} | {_ms(fwd)} | {_ms(both)} | {_ratio(rows, name, BASELINE, 'forward')} "
+            f"| {_ratio(rows, name, BASELINE, 'forward_backward')} "
+            f"| {_ratio(rows, name, 'torch-fp32', 'forward')} "
+            f"| {_ratio(rows, name, 'torch-fp32', 'forward_backward')} "
+            f"| {_mib(fwd)} | {_mib(both)} |"
+        )
+    return "\n".join(lines)
+
+
+# --- where the time goes ---
+
+
+def _median_seconds(fn, repeats: int) -> tuple[float, float]:
+    """Median wall seconds and median CPU seconds (all threads of this process) of fn()."""
+    wall, cpu = [], []
+    for _ in range(repeats):
+        start, start_cpu = time.perf_counter(), time.process_time()
+        fn()
+        wall.append(time.perf_counter() - start)
+        cpu.append(time.process_time() - start_cpu)
+    return sorted(wall)[len(wall) // 2], sorted(cpu)[len(cpu) // 2]
+
+
+def profile(args) -> dict:
+    """Median seconds of each pass of backend="cpu", with references for this machine's
+    memory system: a copy into a buffer that is already mapped (bandwidth) and the first
+    write of a fresh [N, V] tensor (page faults, which every candidate's outputs pay)."""
+    from .. import contract
+    from ..backends import ShardPlan, get_backend
+
+    x, target = cands.bench_inputs(args.tokens, args.vocab, DTYPES[args.dtype], args.seed)
+    cpu = get_backend("cpu", x.device)
+    plan = ShardPlan(0, None, -100, False)
+    row_max = cpu.row_max(x, 1.0, None, plan)
+    record = cpu.partials(x, target, 1.0, None, row_max, plan)
+    fin = contract.finalize(row_max, record, target, None, -100, None)
+    one = torch.ones_like(fin.s_hi)
+    stats = contract.GradStats(
+        row_max, fin.s_hi, fin.log_s, fin.entropy64, -one, 0 * one, one, fin.bad != 0
+    )
+    mapped = torch.empty_like(x).fill_(0)
+    stages = {
+        "row_max pass": lambda: cpu.row_max(x, 1.0, None, plan),
+        "partials pass": lambda: cpu.partials(x, target, 1.0, None, row_max, plan),
+        "partials pass, with entropy": lambda: cpu.partials(
+            x, target, 1.0, None, row_max, ShardPlan(0, None, -100, True)
+        ),
+        "finalize": lambda: contract.finalize(row_max, record, target, None, -100, None),
+        "grad pass (fresh output)": lambda: cpu.grad(x, target, 1.0, None, stats, plan),
+        "copy of the logits into a mapped buffer": lambda: mapped.copy_(x),
+        "first write of a fresh [N, V] tensor": lambda: torch.empty_like(x).fill_(0),
+    }
+    measured = {name: _median_seconds(fn, args.repeats) for name, fn in stages.items()}
+    seconds = {name: wall for name, (wall, _) in measured.items()}
+    elements, nbytes, threads = x.numel(), x.numel() * x.element_size(), torch.get_num_threads()
+    out = {
+        "seconds": seconds,
+        # CPU time is what the kernels used while they ran, so it tells compute cost apart
+        # from the waiting a shared machine adds to wall time
+        "cpu_ns_per_element": {name: c * 1e9 / elements for name, (_, c) in measured.items()},
+        "read_GBps_row_max": nbytes / seconds["row_max pass"] / 1e9,
+        "copy_GBps": 2 * nbytes / seconds["copy of the logits into a mapped buffer"] / 1e9,
+        "threads": threads,
+        "avx2": cpu.uses_avx2,
+    }
+    print(profile_table(out))
+    return out
+
+
+def profile_table(prof: dict) -> str:
+    lines = ["| stage | wall ms (median) | CPU ns per element (all threads) |", "|---|---|---|"]
+    for name, t in prof["seconds"].items():
+        per = prof["cpu_ns_per_element"][name]
+        lines.append(f"| {name} | {t * 1e3:.1f} | {per:.2f} |")
+    lines.append(
+        f"\nrow_max reads the logits at {prof['read_GBps_row_max']:.1f} GB/s; the copy moves "
+        f"{prof['copy_GBps']:.1f} GB/s (read + write); {prof['threads']} threads, "
+        f"AVX2 kernels: {prof['avx2']}."
+    )
+    return "\n".join(lines)
+
+
+# --- sweeps ---
+
+
+def sweeps(args, names: list[str]) -> dict:
+    points = [("tokens", n, args.vocab) for n in SWEEP_TOKENS]
+    points += [("vocab", args.tokens, v) for v in SWEEP_VOCAB]
+    built = [cands.make(n) for n in names]
+    out: dict = {"repeats": args.sweep_repeats, "tokens": [], "vocab": []}
+    for axis, n, v in points:
+        _log(f"sweep {axis}: {n} x {v}")
+        x, target = cands.bench_inputs(n, v, DTYPES[args.dtype], args.seed)
+        timings = measure.time_alternating(built, x, target, args.sweep_repeats)
+        del x, target
+        out[axis].append(
+            {
+                "tokens": n,
+                "vocab": v,
+                "results": {
+                    name: {mode: vars(timings[name, mode]) for mode in measure.MODES}
+                    for name in names
+                },
+            }
+        )
+    return out
+
+
+def sweep_table(points: list[dict], axis: str) -> str:
+    names = list(points[0]["results"])
+    head = f"| {axis} | " + " | ".join(f"{name} fwd ms | {name} fwd+bwd ms" for name in names)
+    ratio_cols = BASELINE in names and OURS in names
+    if ratio_cols:
+        head += f" | {OURS} / {BASELINE} fwd | {OURS} / {BASELINE} fwd+bwd"
+    lines = [head + " |", "|" + "---|" * (1 + 2 * len(names) + 2 * ratio_cols)]
+    for p in points:
+        r = p["results"]
+        cells = [str(p[axis])]
+        for name in names:
+            cells += [_ms(r[name]["forward"]), _ms(r[name]["forward_backward"])]
+        if ratio_cols:
+            cells += [_ratio(r, OURS, BASELINE, m) for m in measure.MODES]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot_sweeps(report: dict, path: Path) -> None:
+    import matplotlib
+    import matplotlib.ticker
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sw = report["sweeps"]
+    fig, axes = plt.subplots(2, 2, figsize=(12, 8.5), sharex="col")
+    for col, axis in enumerate(("tokens", "vocab")):
+        points = sw[axis]
+        xs = [p[axis] for p in points]
+        ax = axes[0][col]
+        for name in points[0]["results"]:
+            for mode, style in (("forward", "-"), ("forward_backward", "--")):
+                ys = [p["results"][name][mode]["median"] * 1e3 for p in points]
+                ax.plot(xs, ys, style, marker="o", label=f"{name} {mode.replace('_', '+')}")
+        ax.set(xscale="log", yscale="log", ylabel="ms (median)")
+        ax.set_xticks(xs, [str(v) for v in xs], minor=False)
+        ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+        ax.set_title(f"sweep over {axis}")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+        ratio = axes[1][col]
+        if BASELINE in points[0]["results"] and OURS in points[0]["results"]:
+            for mode, target in (("forward", 0.5), ("forward_backward", 0.7)):
+                ys = [
+                    p["results"][OURS][mode]["median"] / p["results"][BASELINE][mode]["median"]
+                    for p in points
+                ]
+                line = ratio.plot(xs, ys, marker="o", label=f"{mode.replace('_', '+')}")[0]
+                ratio.axhline(target, color=line.get_color(), ls=":", label=f"target {target}x")
+        ratio.set(xscale="log", xlabel=axis, ylabel=f"{OURS} / {BASELINE}", ylim=(0, None))
+        ratio.set_xticks(xs, [str(v) for v in xs], minor=False)
+        ratio.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+        ratio.grid(True, which="both", alpha=0.3)
+        ratio.legend(fontsize=7)
+    m = report["machine"]
+    fig.suptitle(
+        f"{m['cpu']}, {m['cores']} cores, {report['threads']} threads, {report['shape']['dtype']}"
+        f", median of {sw['repeats']} alternating runs per point"
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# --- the report files ---
+
+
+def machine() -> dict:
+    cpu = platform.processor() or platform.machine()
+    try:
+        lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+        cpu = next(
+            (
+                ln.split(":", 1)[1].strip()
+                for ln in lscpu.splitlines()
+                if ln.startswith("Model name")
+            ),
+            cpu,
+        )
+    except OSError:
+        pass
+    versions = {"torch": torch.__version__}
+    try:
+        from importlib.metadata import version
+
+        versions["megatron-core"] = version("megatron-core")
+    except Exception:  # not installed: the candidate is simply absent
+        pass
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "python": platform.python_version(),
+        "versions": versions,
+        "date": time.strftime("%Y-%m-%d %H:%M %Z"),
+    }
+
+
+def _write(out: Path, report: dict) -> None:
+    (out / "cpu_results.json").write_text(json.dumps(report, indent=1) + "\n")
+    m, s = report["machine"], report["shape"]
+    text = [
+        f"# CPU benchmark: {s['tokens']} x {s['vocab']} {s['dtype']}, TP 1",
+        "",
+        f"Command: `{report['command']}`  ",
+        f"Machine: {m['cpu']}, {m['cores']} cores, torch threads {report['threads']}, "
+        f"{', '.join(f'{k} {v}' for k, v in m['versions'].items())}, {m['date']}  ",
+        f"Median of {report['repeats']} alternating runs (min-max in brackets); peak extra "
+        "memory = peak RSS of a fresh process during one step minus its RSS before the step.",
+        "",
+        main_table(report),
+        "",
+    ]
+    if "profile" in report:
+        text += [
+            "## Where the time goes (backend passes)",
+            "",
+            profile_table(report["profile"]),
+            "",
+        ]
+    (out / "cpu_main.md").write_text("\n".join(text))
+    if "sweeps" in report:
+        sw = report["sweeps"]
+        text = [
+            "# CPU benchmark sweeps",
+            "",
+            f"Command: `{report['command']}`  ",
+            f"Machine: {m['cpu']}, {m['cores']} cores, torch threads {report['threads']}  ",
+            f"Median of {sw['repeats']} alternating runs per point (min-max in brackets).",
+            "",
+            f"## tokens (vocab {report['shape']['vocab']})",
+            "",
+            sweep_table(sw["tokens"], "tokens"),
+            "",
+            f"## vocab (tokens {report['shape']['tokens']})",
+            "",
+            sweep_table(sw["vocab"], "vocab"),
+            "",
+        ]
+        (out / "cpu_sweep.md").write_text("\n".join(text))
+        plot_sweeps(report, out / "cpu_sweep.png")
+    _log(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,349 @@
+"""backend="cpu" gives exactly the bits of backend="reference" (bitwise claims only).
+
+Every comparison is torch.equal on the bit patterns (testing.assert_bitwise_equal):
+forward outputs, the int64 row record, the row max and the gradients, over dtypes,
+temperatures, keep masks, padding, shard offsets, empty and width-1 shards, ignored,
+non-finite and bad rows, non-contiguous inputs and thread counts.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import exactlogp
+from exactlogp import contract
+from exactlogp.backends import ShardPlan, cpu_build, get_backend
+from exactlogp.contract import GradStats
+from exactlogp.testing import assert_bitwise_equal, llm_like_logits, simulate_shards
+
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def cpu():
+    try:
+        return get_backend("cpu", CPU)
+    except ValueError as exc:  # no C compiler on this machine: only the reference runs
+        pytest.skip(str(exc))
+
+
+@pytest.fixture(scope="module")
+def ref():
+    return get_backend("reference", CPU)
+
+
+# --- the compiled library ---
+
+
+def test_compiled_constants_are_contract_constants(cpu):
+    compiled = cpu_build.compiled_constants(cpu._lib)
+    expected = cpu_build.expected_constants()
+    assert [v.hex() for v in compiled] == [v.hex() for v in expected]
+    assert expected[:2] == [contract.CUTOFF, contract.MAGIC]
+    assert len(expected) == 6 + len(contract.EXP2_TABLE) + len(contract.EXP_POLY) + 10
+
+
+def test_header_is_generated_from_contract():
+    header = cpu_build.constants_header()
+    assert f"#define ELP_MAGIC ({contract.MAGIC.hex()})" in header
+    assert f"#define ELP_LN2_32_LO ({contract.LN2_32_LO.hex()})" in header
+    assert contract.EXP2_TABLE[31].hex() in header
+
+
+def _disassembly(path: Path) -> str:
+    objdump = shutil.which("objdump")
+    if objdump is None:
+        pytest.skip("objdump is not installed")
+    return subprocess.run([objdump, "-d", str(path)], capture_output=True, text=True).stdout
+
+
+def test_compiled_code_has_no_fma_and_uses_256_bit_vectors(cpu):
+    code = _disassembly(cpu_build.build())
+    assert "vfmadd" not in code and "vfmsub" not in code and "vfnmadd" not in code
+    if cpu.uses_avx2:  # the AVX2 copies do the fp64 work four lanes at a time
+        assert "ymm" in code and "vdivpd" in code
+
+
+def test_auto_picks_cpu_on_cpu(cpu):
+    assert get_backend("auto", CPU) is cpu
+    assert cpu.supports(torch.device("cpu")) and not cpu.supports(torch.device("meta"))
+
+
+def test_without_a_compiler_cpu_says_why_and_auto_falls_back(tmp_path):
+    script = (
+        "import torch, exactlogp\n"
+        "from exactlogp.backends import get_backend\n"
+        "assert get_backend('auto', torch.device('cpu')).name == 'reference'\n"
+        "try:\n"
+        "    exactlogp.selected_logprobs(torch.zeros(1, 4), torch.tensor([0]), backend='cpu')\n"
+        "except ValueError as exc:\n"
+        "    print(exc)\n"
+    )
+    env = dict(os.environ, CC=str(tmp_path / "no-such-cc"), EXACTLOGP_CACHE_DIR=str(tmp_path))
+    run = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert "backend='cpu' is not available" in run.stdout
+    assert "no C compiler found" in run.stdout
+
+
+def test_isa_override_is_checked(monkeypatch):
+    monkeypatch.setenv("EXACTLOGP_CPU_ISA", "avx9000")
+    with pytest.raises(cpu_build.CpuBuildError, match="EXACTLOGP_CPU_ISA"):
+        cpu_build.default_isa()
+    monkeypatch.setenv("EXACTLOGP_CPU_ISA", "baseline")
+    assert cpu_build.default_isa() == "baseline"
+    with pytest.raises(ValueError, match="isa must be one of"):
+        cpu_build.build("avx9000")
+
+
+def test_num_threads_is_checked():
+    from exactlogp.backends.cpu import CpuBackend
+
+    with pytest.raises(ValueError, match="num_threads"):
+        CpuBackend(num_threads=0)
+
+
+# --- end to end through the public API: outputs and gradients ---
+
+
+def _case(name: str, dtype: torch.dtype, num_rows: int = 7, vocab: int = 507, seed: int = 0):
+    """(logits, target, keyword arguments) of a named case."""
+    x, target = llm_like_logits(num_rows, vocab, dtype, seed=seed)
+    kw: dict = {}
+    gen = torch.Generator().manual_seed(seed + 1)
+    if name == "scalar_temperature":
+        kw["temperature"] = 0.7
+    elif name == "row_temperature":
+        kw["temperature"] = 0.25 + 2.0 * torch.rand(num_rows, generator=gen)
+        kw["temperature"][0] = 1.0
+    elif name == "keep_mask":
+        keep = torch.rand(num_rows, vocab, generator=gen) < 0.3
+        keep[torch.arange(num_rows), target] = True
+        kw["keep_mask"] = keep
+    elif name == "padding":
+        kw["vocab_size"] = vocab - 11
+        target = target.clamp(max=vocab - 12)
+    elif name == "ignored_rows":
+        target[::3] = -100
+    elif name == "nonfinite":  # NaN, +inf, -inf, all -inf, a bad target; validate=False
+        x[0, 5] = float("nan")
+        x[1, 9] = float("inf")
+        x[2, :] = float("-inf")
+        x[3, ::2] = float("-inf")
+        target[3] = 4
+        target[4] = vocab + 3
+        x[5, target[5]] = float("nan")
+        kw["validate"] = False
+    elif name == "row_temperature_bad":  # bad temperatures, in kept and in ignored rows
+        tau = torch.ones(num_rows)
+        tau[0], tau[1], tau[2], tau[3] = 0.0, -2.0, float("nan"), float("inf")
+        target[2] = target[3] = -100
+        kw.update(temperature=tau, validate=False)
+    return x, target, kw
+
+
+CASES = (
+    "plain", "scalar_temperature", "row_temperature", "keep_mask", "padding",
+    "ignored_rows", "nonfinite", "row_temperature_bad",
+)  # fmt: skip
+
+
+def _forward_backward(x, target, kw, backend, with_entropy, seed=3):
+    x = x.detach().clone().requires_grad_(True)
+    res = exactlogp.selected_logprobs(x, target, backend=backend, with_entropy=with_entropy, **kw)
+    outs = [res.logprobs, res.lse] + ([res.entropy] if with_entropy else [])
+    gen = torch.Generator().manual_seed(seed)
+    ups = [torch.randn(o.shape, generator=gen) for o in outs]
+    (grad,) = torch.autograd.grad(outs, x, ups)
+    return [o.detach() for o in outs], grad
+
+
+@pytest.mark.parametrize("with_entropy", [False, True], ids=["logprob", "entropy"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name", CASES)
+def test_api_forward_and_backward_match_reference(cpu, name, dtype, with_entropy):
+    x, target, kw = _case(name, dtype)
+    outs_c, grad_c = _forward_backward(x, target, kw, "cpu", with_entropy)
+    outs_r, grad_r = _forward_backward(x, target, kw, "reference", with_entropy)
+    for what, a, b in zip(("logprobs", "lse", "entropy"), outs_c, outs_r, strict=False):
+        assert_bitwise_equal(a, b, f"{name} {what}")
+    assert_bitwise_equal(grad_c, grad_r, f"{name} grad")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(1, 1), (3, 2), (5, 9), (2, 8), (4, 17), (0, 5)])
+def test_small_shapes_match_reference(cpu, dtype, shape):
+    x, target = llm_like_logits(max(shape[0], 1), shape[1], dtype, seed=shape[1])
+    x, target = x[: shape[0]], target[: shape[0]]
+    outs_c, grad_c = _forward_backward(x, target, {}, "cpu", True)
+    outs_r, grad_r = _forward_backward(x, target, {}, "reference", True)
+    for a, b in zip(outs_c, outs_r, strict=True):
+        assert_bitwise_equal(a, b, f"{shape}")
+    assert_bitwise_equal(grad_c, grad_r, f"{shape} grad")
+
+
+def test_non_contiguous_inputs_are_read_not_changed(cpu):
+    base, target = llm_like_logits(6, 520, torch.bfloat16, seed=4)
+    keep_base = torch.rand(6, 520, generator=torch.Generator().manual_seed(2)) < 0.5
+    keep_base[torch.arange(6), target] = True
+    inputs = {
+        "column slice": (base[:, :507], keep_base[:, :507]),
+        "transposed storage": (base.t().contiguous().t(), keep_base.t().contiguous().t()),
+    }
+    target = target.clamp(max=506)
+    keep_base[torch.arange(6), target] = True
+    for what, (x, keep) in inputs.items():
+        before = x.clone()
+        outs_c, grad_c = _forward_backward(x, target, {"keep_mask": keep}, "cpu", True)
+        outs_r, grad_r = _forward_backward(x, target, {"keep_mask": keep}, "reference", True)
+        for a, b in zip(outs_c, outs_r, strict=True):
+            assert_bitwise_equal(a, b, what)
+        assert_bitwise_equal(grad_c, grad_r, f"{what} grad")
+        assert_bitwise_equal(x, before, f"{what} input unchanged")
+
+
+# --- the three passes directly, on shards with offsets, padding and nothing at all ---
+
+
+def _stats_for(fin: contract.Finalized, seed: int) -> GradStats:
+    gen = torch.Generator().manual_seed(seed)
+    n = fin.s_hi.shape[0]
+    g_lp, g_ent, g_lse = (torch.randn(n, generator=gen, dtype=torch.float64) for _ in range(3))
+    zero = torch.zeros(n, dtype=torch.float64)
+    keep = ~fin.ignored
+    return GradStats(
+        row_max=None, s_hi=fin.s_hi, log_s=fin.log_s, entropy64=fin.entropy64,
+        coef_a=torch.where(keep, g_lse - g_lp, zero), coef_b=torch.where(keep, g_ent, zero),
+        coef_t=torch.where(keep, g_lp, zero), row_nan=fin.bad != 0,
+    )  # fmt: skip
+
+
+def _compare_shards(cpu, ref, x, target, boundaries, **kw):
+    """Record, max and finalize through simulate_shards, then every shard's gradient."""
+    fin_c = simulate_shards(x, target, boundaries, backend="cpu", **kw)
+    fin_r = simulate_shards(x, target, boundaries, backend="reference", **kw)
+    for field in contract.Finalized._fields:
+        assert_bitwise_equal(getattr(fin_c, field), getattr(fin_r, field), field)
+    tau = kw.get("temperature", 1.0)
+    keep = kw.get("keep_mask")
+    plan_kw = dict(vocab_size=kw.get("vocab_size"), ignore_index=-100)
+    for with_entropy in (False, True):
+        row_max = ref.row_max(x, tau, keep, ShardPlan(0, with_entropy=with_entropy, **plan_kw))
+        stats = _stats_for(fin_r, seed=len(boundaries))._replace(row_max=row_max)
+        for lo, hi in zip(boundaries[:-1], boundaries[1:], strict=False):
+            plan = ShardPlan(lo, with_entropy=with_entropy, **plan_kw)
+            mask = None if keep is None else keep[:, lo:hi]
+            args = (x[:, lo:hi], target, tau, mask, stats, plan)
+            assert_bitwise_equal(cpu.grad(*args), ref.grad(*args), f"grad of [{lo}, {hi})")
+            local_max = (x[:, lo:hi], tau, mask, plan)
+            assert_bitwise_equal(cpu.row_max(*local_max), ref.row_max(*local_max), "max")
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_uneven_width_one_and_empty_shards(cpu, ref, dtype):
+    x, target = llm_like_logits(9, 507, dtype, seed=7)
+    target[2] = -100
+    for boundaries in ([0, 200, 200, 201, 507], [0, 0, 1, 506, 507], [0, 507, 507]):
+        _compare_shards(cpu, ref, x, target, boundaries)
+
+
+def test_shards_with_padding_mask_and_row_temperature(cpu, ref):
+    x, target = llm_like_logits(8, 512, torch.bfloat16, seed=8)
+    target = target.clamp(max=506)
+    keep = torch.rand(8, 512, generator=torch.Generator().manual_seed(3)) < 0.6
+    keep[torch.arange(8), target] = True
+    tau = 0.5 + torch.rand(8, generator=torch.Generator().manual_seed(4))
+    kw = dict(vocab_size=507, keep_mask=keep, temperature=tau, with_entropy=True)
+    # the last shard is all padding: [507, 512) holds no vocabulary
+    _compare_shards(cpu, ref, x, target, [0, 130, 131, 507, 512], **kw)
+    _compare_shards(cpu, ref, x, target, [0, 256, 512], **kw)
+
+
+def test_row_length_past_the_exact_float_flush(cpu, ref):
+    """Rows longer than one flush of the integer-valued double sums (8192 columns), with
+    every term as large as it can be, keep the int64 sums exact."""
+    x = torch.zeros(2, 20000, dtype=torch.float32)
+    x[1, ::2] = -0.5
+    target = torch.tensor([0, 1])
+    plan = ShardPlan(0, None, -100, True)
+    m = ref.row_max(x, 1.0, None, plan)
+    assert_bitwise_equal(cpu.partials(x, target, 1.0, None, m, plan),
+                         ref.partials(x, target, 1.0, None, m, plan), "record")  # fmt: skip
+
+
+# --- threads ---
+
+
+def test_one_thread_and_many_threads_give_the_same_bits(ref):
+    from exactlogp.backends.cpu import CpuBackend
+
+    x, target = llm_like_logits(64, 4099, torch.bfloat16, seed=9)
+    keep = torch.rand(64, 4099, generator=torch.Generator().manual_seed(1)) < 0.9
+    keep[torch.arange(64), target] = True
+    plan = ShardPlan(0, None, -100, True)
+    results = []
+    for threads in (1, 3, 8):
+        b = CpuBackend(num_threads=threads)
+        m = b.row_max(x, 0.9, keep, plan)
+        record = b.partials(x, target, 0.9, keep, m, plan)
+        fin = contract.finalize(m, record, target, None, -100, None)
+        stats = _stats_for(fin, seed=0)._replace(row_max=m)
+        results.append((m, record, b.grad(x, target, 0.9, keep, stats, plan)))
+    for other in results[1:]:
+        for a, b in zip(results[0], other, strict=True):
+            assert_bitwise_equal(a, b, "threads")
+    m_ref = ref.row_max(x, 0.9, keep, plan)
+    assert_bitwise_equal(results[0][1], ref.partials(x, target, 0.9, keep, m_ref, plan), "ref")
+
+
+# --- random partitions ---
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    cuts=st.lists(st.integers(0, 300), min_size=0, max_size=5),
+    dtype=st.sampled_from(DTYPES),
+    seed=st.integers(0, 2**16),
+)
+def test_random_partitions_match_reference(cpu, cuts, dtype, seed):
+    x, target = llm_like_logits(4, 300, dtype, seed=seed)
+    boundaries = [0, *sorted(cuts), 300]
+    fin_c = simulate_shards(x, target, boundaries, backend="cpu")
+    fin_r = simulate_shards(x, target, boundaries, backend="reference")
+    for field in ("logprobs", "entropy", "lse", "bad"):
+        assert_bitwise_equal(getattr(fin_c, field), getattr(fin_r, field), field)
+
+
+# --- the portable build (no AVX2) gives the same bits ---
+
+
+def test_baseline_isa_build_matches_reference(cpu, ref):
+    from exactlogp.backends.cpu import CpuBackend
+
+    baseline = CpuBackend(isa="baseline")
+    assert not baseline.uses_avx2
+    x, target = llm_like_logits(6, 507, torch.float16, seed=11)
+    keep = torch.rand(6, 507, generator=torch.Generator().manual_seed(5)) < 0.7
+    keep[torch.arange(6), target] = True
+    tau = 0.5 + torch.rand(6, generator=torch.Generator().manual_seed(6))
+    plan = ShardPlan(0, 500, -100, True)
+    target = target.clamp(max=499)
+    m = ref.row_max(x, tau, keep, plan)
+    record = ref.partials(x, target, tau, keep, m, plan)
+    fin = contract.finalize(m, record, target, 500, -100, None)
+    stats = _stats_for(fin, seed=1)._replace(row_max=m)
+    for impl in (baseline, cpu):
+        assert_bitwise_equal(impl.row_max(x, tau, keep, plan), m, "row max")
+        assert_bitwise_equal(impl.partials(x, target, tau, keep, m, plan), record, "record")
+        expected = ref.grad(x, target, tau, keep, stats, plan)
+        assert_bitwise_equal(impl.grad(x, target, tau, keep, stats, plan), expected, "grad")

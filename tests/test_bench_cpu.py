@@ -1,0 +1,36 @@
+"""The CPU benchmark runs end to end on a tiny shape (its figures are not checked here)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from exactlogp.bench import cpu as bench
+
+
+def test_bench_main_writes_its_table_and_results(tmp_path):
+    pytest.importorskip("megatron.core")
+    argv = [
+        "--tokens",
+        "8",
+        "--vocab",
+        "512",
+        "--repeats",
+        "1",
+        "--no-memory",
+        "--out",
+        str(tmp_path),
+    ]
+    assert bench.main(argv) == 0
+    results = json.loads((tmp_path / "cpu_results.json").read_text())
+    assert set(results["results"]) == {
+        "exactlogp-cpu", "exactlogp-cpu+entropy", "megatron-core", "torch-fp32",
+    }  # fmt: skip
+    table = (tmp_path / "cpu_main.md").read_text()
+    assert "| exactlogp-cpu |" in table and "megatron-core" in table
+
+
+def test_bench_rejects_unknown_candidates(tmp_path):
+    with pytest.raises(SystemExit, match="unknown candidate"):
+        bench.main(["--candidates", "nope", "--out", str(tmp_path)])
