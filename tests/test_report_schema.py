@@ -158,3 +158,17 @@ def test_latency_percentiles():
     assert lat["runs"] == 10
     assert lat["median"] == pytest.approx(5500.0)
     assert lat["p10"] == pytest.approx(1900.0) and lat["p90"] == pytest.approx(9100.0)
+
+
+def test_the_console_table_keeps_backend_names_in_brackets():
+    import io
+
+    from rich.console import Console
+
+    from exactlogp.report import display
+
+    report = _report()
+    report["candidates"]["exactlogp[reference]"] = _measured()
+    console = Console(record=True, width=400, file=io.StringIO())
+    console.print(display.table(report))
+    assert "exactlogp[reference]" in console.export_text()

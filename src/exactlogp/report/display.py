@@ -4,6 +4,7 @@ table at the end, and the Markdown summary written next to the JSON."""
 from __future__ import annotations
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -45,16 +46,17 @@ class RichDisplay:
         self.progress.stop()
 
     def start(self, label: str, total: int):
-        return self.progress.add_task(label, total=total, status="")
+        # names like "exactlogp[cpu]" must not be read as rich markup
+        return self.progress.add_task(escape(label), total=total, status="")
 
     def advance(self, task, done: int, what: str) -> None:
-        self.progress.update(task, completed=done, status=what)
+        self.progress.update(task, completed=done, status=escape(what))
 
     def finish(self, task, status: str) -> None:
         info = self.progress.tasks[task]
-        self.progress.update(task, completed=info.total, status=status)
+        self.progress.update(task, completed=info.total, status=escape(status))
         if not self.console.is_terminal:  # a log file gets one line per finished task
-            self.console.print(f"{info.description}: {status}")
+            self.console.print(f"{info.description}: {escape(status)}")
 
 
 def _mark(value) -> str:
@@ -95,11 +97,11 @@ def rows(report: dict) -> list[list[str]]:
 
 
 def table(report: dict) -> Table:
-    t = Table(title=_title(report))
+    t = Table(title=escape(_title(report)))
     for col in columns(report):
         t.add_column(col)
     for row in rows(report):
-        t.add_row(*row)
+        t.add_row(*(escape(cell) for cell in row))
     return t
 
 
