@@ -3,7 +3,9 @@
 Every comparison is torch.equal on the bit patterns (testing.assert_bitwise_equal):
 forward outputs, the int64 row record, the row max and the gradients, over dtypes,
 temperatures, keep masks, padding, shard offsets, empty and width-1 shards, ignored,
-non-finite and bad rows, non-contiguous inputs and thread counts.
+non-finite and bad rows, non-contiguous inputs and thread counts. Every test that takes
+the `cpu` fixture runs twice: with the direct per-column loops (value_tables="never") and
+with the per-value tables of 16-bit rows (value_tables="always").
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import exactlogp
@@ -29,12 +31,15 @@ DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 CPU = torch.device("cpu")
 
 
-@pytest.fixture(scope="module")
-def cpu():
+@pytest.fixture(params=["never", "always"], ids=["direct", "tables"])
+def cpu(request, monkeypatch):
+    """The registered CPU backend (what backend="cpu" runs), in one value-table mode."""
     try:
-        return get_backend("cpu", CPU)
+        backend = get_backend("cpu", CPU)
     except ValueError as exc:  # no C compiler on this machine: only the reference runs
         pytest.skip(str(exc))
+    monkeypatch.setattr(backend, "value_tables", request.param)
+    return backend
 
 
 @pytest.fixture(scope="module")
@@ -111,6 +116,8 @@ def test_num_threads_is_checked():
 
     with pytest.raises(ValueError, match="num_threads"):
         CpuBackend(num_threads=0)
+    with pytest.raises(ValueError, match="value_tables.*'sometimes'"):
+        CpuBackend(value_tables="sometimes")
 
 
 # --- end to end through the public API: outputs and gradients ---
@@ -281,10 +288,76 @@ def test_row_length_past_the_exact_float_flush(cpu, ref):
                          ref.partials(x, target, 1.0, None, m, plan), "record")  # fmt: skip
 
 
+# --- value tables: counts, many distinct values, the automatic choice ---
+
+
+def _passes(backend, x, target, tau, keep, plan, seed=0):
+    """(row max, record, gradient) of one shard through `backend`'s three passes."""
+    m = backend.row_max(x, tau, keep, plan)
+    record = backend.partials(x, target, tau, keep, m, plan)
+    fin = contract.finalize(m, record, target, plan.vocab_size, -100, None)
+    stats = _stats_for(fin, seed=seed)._replace(row_max=m)
+    return m, record, backend.grad(x, target, tau, keep, stats, plan)
+
+
+def _assert_passes_equal(a, b, what):
+    for name, u, v in zip(("row max", "record", "grad"), a, b, strict=True):
+        assert_bitwise_equal(u, v, f"{what}: {name}")
+
+
+def test_value_counts_multiply_exactly(cpu, ref):
+    """One value in every column (count 20000, each term e = 1, the largest limb), a row
+    of two values, and rows whose maximum is repeated: the count-weighted integer sums
+    are the per-column sums."""
+    x = torch.zeros(4, 20000, dtype=torch.bfloat16)
+    x[1, ::2] = -0.5
+    x[2] = torch.randn(20000, generator=torch.Generator().manual_seed(1)).round()
+    x[3, :] = -30.0
+    x[3, 7::1000] = 2.0
+    target = torch.tensor([0, 1, 5, 7])
+    plan = ShardPlan(0, None, -100, True)
+    _assert_passes_equal(_passes(cpu, x, target, 1.0, None, plan),
+                         _passes(ref, x, target, 1.0, None, plan), "repeated values")  # fmt: skip
+
+
+def test_every_fp16_value_in_one_row(cpu, ref):
+    """A row holding all 65536 fp16 bit patterns (NaNs, infinities, subnormals, -0) plus
+    more columns, with temperatures that overflow large values to inf; validate=False."""
+    every = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.float16)
+    perm = torch.randperm(every.numel(), generator=torch.Generator().manual_seed(2))
+    row = torch.cat([every[perm], every[:4464]])
+    x = torch.stack([row, row.flip(0), row.roll(17)])
+    finite = torch.isfinite(x.float())
+    target = torch.stack([torch.nonzero(f)[7 + i, 0] for i, f in enumerate(finite)])
+    tau = torch.tensor([1.0, 0.001, 3.5])
+    keep = torch.rand(x.shape, generator=torch.Generator().manual_seed(3)) < 0.8
+    keep[torch.arange(3), target] = True
+    for kw in ({"tau": tau, "keep": None}, {"tau": 0.25, "keep": keep}):
+        plan = ShardPlan(0, 70000 - 3, -100, True)
+        a = _passes(cpu, x, target, kw["tau"], kw["keep"], plan)
+        b = _passes(ref, x, target, kw["tau"], kw["keep"], plan)
+        _assert_passes_equal(a, b, "every fp16 value")
+
+
+def test_auto_value_tables_match_reference_on_long_rows(ref):
+    """The default mode on rows past TABLE_MIN_COLS, and the fp32 rows it leaves alone."""
+    from exactlogp.backends.cpu import TABLE_MIN_COLS, CpuBackend
+
+    auto = CpuBackend(value_tables="auto")
+    cols = max(TABLE_MIN_COLS.values())
+    for dtype in DTYPES:
+        x, target = llm_like_logits(3, cols + 5, dtype, seed=12)
+        plan = ShardPlan(0, cols + 1, -100, True)
+        target = target.clamp(max=cols)
+        _assert_passes_equal(_passes(auto, x, target, 0.8, None, plan),
+                             _passes(ref, x, target, 0.8, None, plan), str(dtype))  # fmt: skip
+
+
 # --- threads ---
 
 
-def test_one_thread_and_many_threads_give_the_same_bits(ref):
+@pytest.mark.parametrize("value_tables", ["never", "always"])
+def test_one_thread_and_many_threads_give_the_same_bits(ref, value_tables):
     from exactlogp.backends.cpu import CpuBackend
 
     x, target = llm_like_logits(64, 4099, torch.bfloat16, seed=9)
@@ -293,7 +366,7 @@ def test_one_thread_and_many_threads_give_the_same_bits(ref):
     plan = ShardPlan(0, None, -100, True)
     results = []
     for threads in (1, 3, 8):
-        b = CpuBackend(num_threads=threads)
+        b = CpuBackend(num_threads=threads, value_tables=value_tables)
         m = b.row_max(x, 0.9, keep, plan)
         record = b.partials(x, target, 0.9, keep, m, plan)
         fin = contract.finalize(m, record, target, None, -100, None)
@@ -309,7 +382,10 @@ def test_one_thread_and_many_threads_give_the_same_bits(ref):
 # --- random partitions ---
 
 
-@settings(max_examples=25, deadline=None)
+# the fixture only picks a mode, which no example changes
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(
     cuts=st.lists(st.integers(0, 300), min_size=0, max_size=5),
     dtype=st.sampled_from(DTYPES),
@@ -330,7 +406,7 @@ def test_random_partitions_match_reference(cpu, cuts, dtype, seed):
 def test_baseline_isa_build_matches_reference(cpu, ref):
     from exactlogp.backends.cpu import CpuBackend
 
-    baseline = CpuBackend(isa="baseline")
+    baseline = CpuBackend(isa="baseline", value_tables=cpu.value_tables)
     assert not baseline.uses_avx2
     x, target = llm_like_logits(6, 507, torch.float16, seed=11)
     keep = torch.rand(6, 507, generator=torch.Generator().manual_seed(5)) < 0.7

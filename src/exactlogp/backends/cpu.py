@@ -4,7 +4,10 @@ row_max, partials and grad each read the logits once, row by row, and keep nothi
 size [N, V] besides grad's output: the extra memory of forward is O(N) (logits whose
 columns are not adjacent in memory are copied once first). The kernels
 (csrc/exactlogp_cpu.c, built by cpu_build) apply contract.py's IEEE operations in the
-same order, so every output is bitwise that of the reference backend.
+same order, so every output is bitwise that of the reference backend. Long rows of bf16
+or fp16 logits take the value-table path: the contract is evaluated once per distinct
+value of the row (a few thousand for an LLM's logits) instead of once per column, and the
+integer sums are the same (see the C source and docs/performance.md).
 """
 
 from __future__ import annotations
@@ -22,6 +25,11 @@ from .reference import owned_target_columns
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 # Below this many logits per thread, starting a thread costs more than it saves.
 MIN_ELEMENTS_PER_THREAD = 1 << 16
+# value_tables="auto": bf16 rows with at least this many real columns use value tables,
+# per pass (where they won on this project's benchmark machine; fp16 rows hold several
+# times more distinct values, and there the direct loops won).
+TABLE_MIN_COLS = {"partials": 16384, "grad": 32768}
+_TABLE_MODES = ("auto", "always", "never")
 
 
 class _Shard(ctypes.Structure):  # elp_shard in the C source
@@ -37,6 +45,7 @@ class _Shard(ctypes.Structure):  # elp_shard in the C source
         ("tau", ctypes.c_double),
         ("dtype", ctypes.c_int32),
         ("num_threads", ctypes.c_int32),
+        ("table_min_cols", ctypes.c_int64),
     ]
 
 
@@ -82,16 +91,24 @@ def _f64(t: torch.Tensor) -> torch.Tensor:
 
 class CpuBackend(Backend):
     """`num_threads`: threads per pass, None follows torch.get_num_threads();
-    `isa`: "avx2" or "baseline", None picks this CPU's best (cpu_build.default_isa)."""
+    `isa`: "avx2" or "baseline", None picks this CPU's best (cpu_build.default_isa);
+    `value_tables`: "auto" (bf16 rows of at least TABLE_MIN_COLS columns), "always" (bf16
+    and fp16 rows of any length) or "never" -- a speed choice only: every mode gives the
+    same bits."""
 
     name = "cpu"
 
-    def __init__(self, num_threads: int | None = None, isa: str | None = None):
+    def __init__(
+        self, num_threads: int | None = None, isa: str | None = None, value_tables: str = "auto"
+    ):
         if num_threads is not None and (
             isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1
         ):
             raise ValueError(f"num_threads must be None or an int >= 1, got {num_threads!r}")
+        if value_tables not in _TABLE_MODES:
+            raise ValueError(f"value_tables must be one of {_TABLE_MODES}, got {value_tables!r}")
         self.num_threads = num_threads
+        self.value_tables = value_tables
         self._lib = _bind(cpu_build.load(isa))
 
     def supports(self, device: torch.device) -> bool:
@@ -103,8 +120,15 @@ class CpuBackend(Backend):
 
     # --- the shard description every kernel reads ---
 
-    def _shard(self, logits, temperature, keep_mask, plan: ShardPlan):
-        """(elp_shard, tensors that must outlive the call)."""
+    def _table_min_cols(self, dtype: torch.dtype, pass_name: str) -> int:
+        """The shard's table_min_cols for one pass: -1 keeps the direct loops."""
+        if self.value_tables == "auto":
+            return TABLE_MIN_COLS[pass_name] if dtype == torch.bfloat16 else -1
+        return 0 if self.value_tables == "always" else -1
+
+    def _shard(self, logits, temperature, keep_mask, plan: ShardPlan, pass_name: str = ""):
+        """(elp_shard, tensors that must outlive the call); pass_name "partials" or "grad"
+        lets the pass use value tables."""
         if logits.dtype not in _DTYPE_CODES:
             raise TypeError(f"backend 'cpu' supports bf16/fp16/fp32 logits, got {logits.dtype}")
         x = _unit_column_stride(logits)
@@ -135,6 +159,7 @@ class CpuBackend(Backend):
             tau=1.0 if tau_rows is not None else float(temperature),
             dtype=_DTYPE_CODES[logits.dtype],
             num_threads=threads,
+            table_min_cols=self._table_min_cols(logits.dtype, pass_name) if pass_name else -1,
         )
         return shard, (x, keep, tau_rows)
 
@@ -153,7 +178,7 @@ class CpuBackend(Backend):
 
     def partials(self, logits, target, temperature, keep_mask, row_max, plan):
         record = torch.empty(logits.shape[0], contract.NUM_COLS, dtype=torch.int64)
-        shard, _alive = self._shard(logits, temperature, keep_mask, plan)
+        shard, _alive = self._shard(logits, temperature, keep_mask, plan, "partials")
         target_col = _target_columns(target, logits.shape[-1], plan)
         m = _f32(row_max)
         status = self._lib.elp_partials(
@@ -165,7 +190,7 @@ class CpuBackend(Backend):
 
     def grad(self, logits, target, temperature, keep_mask, stats: GradStats, plan):
         out = torch.empty(logits.shape, dtype=logits.dtype)
-        shard, _alive = self._shard(logits, temperature, keep_mask, plan)
+        shard, _alive = self._shard(logits, temperature, keep_mask, plan, "grad")
         arrays = {"row_max": _f32(stats.row_max)}
         arrays.update({name: _f64(getattr(stats, name)) for name in _GRAD_FIELDS[1:]})
         arrays["row_nan"] = stats.row_nan.to(torch.bool).contiguous().view(torch.uint8)

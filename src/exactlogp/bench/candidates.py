@@ -2,6 +2,8 @@
 
 - exactlogp-cpu: `selected_logprobs(backend="cpu")`, loss = -logprobs (entropy off, as CE).
 - exactlogp-cpu+entropy: the same with with_entropy=True (the RL case), loss adds it.
+- exactlogp-cpu-direct: exactlogp-cpu with value tables off (value_tables="never"): the
+  contract evaluated column by column, the same bits, to show what the tables save.
 - megatron-core: the real `megatron.core.tensor_parallel.vocab_parallel_cross_entropy`,
   with megatron's parallel_state set up over a one-rank gloo process group (TP = 1).
 - torch-fp32: `log_softmax(logits.float())` + gather, the plain PyTorch pipeline.
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import socket
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -44,9 +47,24 @@ def _with_grad(x: torch.Tensor) -> torch.Tensor:
     return x.detach().requires_grad_(True)
 
 
-def _exactlogp(with_entropy: bool) -> Candidate:
+@contextmanager
+def _value_tables(mode: str | None):
+    """The registered CPU backend in value-table mode `mode` (None: as it is)."""
+    from exactlogp.backends import get_backend
+
+    backend = get_backend("cpu", torch.device("cpu"))
+    before = backend.value_tables
+    backend.value_tables = mode or before
+    try:
+        yield
+    finally:
+        backend.value_tables = before
+
+
+def _exactlogp(with_entropy: bool, value_tables: str | None = None) -> Candidate:
     def run(x, target):
-        return exactlogp.selected_logprobs(x, target, backend="cpu", with_entropy=with_entropy)
+        with _value_tables(value_tables):
+            return exactlogp.selected_logprobs(x, target, backend="cpu", with_entropy=with_entropy)
 
     def loss(res):
         out = -res.logprobs.sum()
@@ -54,11 +72,12 @@ def _exactlogp(with_entropy: bool) -> Candidate:
 
     def fwd_bwd(x, target):
         xg = _with_grad(x)
-        loss(run(xg, target)).backward()
+        with _value_tables(value_tables):
+            loss(run(xg, target)).backward()
         return xg.grad
 
     name = "exactlogp-cpu+entropy" if with_entropy else "exactlogp-cpu"
-    return Candidate(name, run, fwd_bwd)
+    return Candidate(name + ("-direct" if value_tables == "never" else ""), run, fwd_bwd)
 
 
 def _free_port() -> int:
@@ -130,6 +149,7 @@ def _torch_fp32() -> Candidate:
 _FACTORIES = {
     "exactlogp-cpu": lambda: _exactlogp(False),
     "exactlogp-cpu+entropy": lambda: _exactlogp(True),
+    "exactlogp-cpu-direct": lambda: _exactlogp(False, "never"),
     "megatron-core": _megatron,
     "torch-fp32": _torch_fp32,
 }

@@ -190,12 +190,15 @@ def _median_seconds(fn, repeats: int) -> tuple[float, float]:
 def profile(args) -> dict:
     """Median seconds of each pass of backend="cpu", with references for this machine's
     memory system: a copy into a buffer that is already mapped (bandwidth) and the first
-    write of a fresh [N, V] tensor (page faults, which every candidate's outputs pay)."""
+    write of a fresh [N, V] tensor (page faults, which every candidate's outputs pay).
+    The "direct loops" stages are the same passes with value tables off."""
     from .. import contract
     from ..backends import ShardPlan, get_backend
+    from ..backends.cpu import CpuBackend
 
     x, target = cands.bench_inputs(args.tokens, args.vocab, DTYPES[args.dtype], args.seed)
     cpu = get_backend("cpu", x.device)
+    direct = CpuBackend(num_threads=cpu.num_threads, value_tables="never")
     plan = ShardPlan(0, None, -100, False)
     row_max = cpu.row_max(x, 1.0, None, plan)
     record = cpu.partials(x, target, 1.0, None, row_max, plan)
@@ -211,8 +214,12 @@ def profile(args) -> dict:
         "partials pass, with entropy": lambda: cpu.partials(
             x, target, 1.0, None, row_max, ShardPlan(0, None, -100, True)
         ),
+        "partials pass, direct loops": lambda: direct.partials(x, target, 1.0, None, row_max, plan),
         "finalize": lambda: contract.finalize(row_max, record, target, None, -100, None),
         "grad pass (fresh output)": lambda: cpu.grad(x, target, 1.0, None, stats, plan),
+        "grad pass, direct loops (fresh output)": lambda: direct.grad(
+            x, target, 1.0, None, stats, plan
+        ),
         "copy of the logits into a mapped buffer": lambda: mapped.copy_(x),
         "first write of a fresh [N, V] tensor": lambda: torch.empty_like(x).fill_(0),
     }

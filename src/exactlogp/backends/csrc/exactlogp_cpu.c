@@ -16,9 +16,12 @@
  * 8 floats); cpu_build compiles it with -mavx2 where the CPU has AVX2, and then the few
  * data-movement primitives below (widen, narrow, floor, 16- and 8-bit loads) use AVX2.
  * Rows are spread over pthreads; a row's result never depends on the thread that ran it.
+ * Long rows of 16-bit logits take the value-table path (see "value tables" below): the
+ * contract is evaluated once per distinct value of the row instead of once per column.
  */
 #include <pthread.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
 #if defined(__AVX2__)
@@ -52,6 +55,8 @@ typedef struct {
     double tau;            /* scalar temperature when tau_rows is NULL */
     int32_t dtype;         /* ELP_F32, ELP_BF16, ELP_F16 */
     int32_t num_threads;
+    int64_t table_min_cols; /* 16-bit rows with at least this many real columns take the
+                               value-table path; < 0: never */
 } elp_shard;
 
 /* Per-row statistics of backward, all [n_rows] (contract.GradStats plus the target). */
@@ -211,13 +216,17 @@ ELP_INLINE v4d exact_sum(const v4d v[V4]) { /* integer-valued, < 2^53: any order
 
 /* contract.quantize of v in [0, 1]: hi = floor(v 2^42), lo = rint_even((v 2^42 - hi) 2^42),
    as integer-valued doubles, added to the lane sums. */
-ELP_INLINE void quantize_add(const v4d v[V4], v4d *sum_hi, v4d *sum_lo) {
-    v4d hi[V4], lo[V4];
+ELP_INLINE void quantize(const v4d v[V4], v4d hi[V4], v4d lo[V4]) {
     for (int i = 0; i < V4; ++i) {
         v4d s = v[i] * ELP_LIMB_SCALE;
         hi[i] = floor4(s); /* the contract truncates to int64: the same for s >= 0 */
         lo[i] = ((s - hi[i]) * ELP_LIMB_SCALE + ELP_MAGIC) - ELP_MAGIC;
     }
+}
+
+ELP_INLINE void quantize_add(const v4d v[V4], v4d *sum_hi, v4d *sum_lo) {
+    v4d hi[V4], lo[V4];
+    quantize(v, hi, lo);
     *sum_hi += exact_sum(hi);
     *sum_lo += exact_sum(lo);
 }
@@ -424,6 +433,28 @@ ELP_INLINE float row_max_row(const elp_shard *s, int64_t r, const int dtype) {
 
 /* --- 3-5. the exact row record --- */
 
+/* The record's target and count columns, and the limb sums `total` (E_HI, E_LO, W_HI,
+   W_LO; uint64 so that a sum wraps like torch's int64 sums instead of being undefined). */
+ELP_INLINE void write_record(int64_t *out, const row_view *v, const uint64_t total[4],
+                             int64_t nonfinite, int64_t t, const int dtype) {
+    memset(out, 0, ELP_NUM_COLS * sizeof *out);
+    out[ELP_COL_E_HI] = (int64_t)total[0];
+    out[ELP_COL_E_LO] = (int64_t)total[1];
+    out[ELP_COL_W_HI] = (int64_t)total[2];
+    out[ELP_COL_W_LO] = (int64_t)total[3];
+    out[ELP_COL_NONFINITE] = nonfinite;
+    if (t >= 0) { /* the owner sends y_t's bits; every shard sends the counts */
+        v8f y[V8];
+        v8i valid[V8];
+        load_step(v, t, t + 1, dtype, y, valid);
+        int32_t bits;
+        memcpy(&bits, &y[0][0], sizeof bits);
+        out[ELP_COL_TARGET_BITS] = bits; /* sign-extended, as int32 -> int64 */
+        out[ELP_COL_OWNERS] = 1;
+        out[ELP_COL_TARGET_MASKED] = v->keep != NULL && !v->keep[t];
+    }
+}
+
 ELP_INLINE void partials_row(const elp_shard *s, const float *row_max, const int64_t *target_col,
                              int64_t *record, int64_t r, const int dtype, const int entropy) {
     row_view v = row_of(s, r, dtype);
@@ -442,25 +473,11 @@ ELP_INLINE void partials_row(const elp_shard *s, const float *row_max, const int
         }
     }
     flush(&sums);
-
-    int64_t *out = record + r * ELP_NUM_COLS;
-    memset(out, 0, ELP_NUM_COLS * sizeof *out);
-    out[ELP_COL_E_HI] = sums.total[0];
-    out[ELP_COL_E_LO] = sums.total[1];
-    out[ELP_COL_W_HI] = sums.total[2];
-    out[ELP_COL_W_LO] = sums.total[3];
-    for (int i = 0; i < 8; ++i) out[ELP_COL_NONFINITE] -= sums.nonfinite[i];
-    int64_t t = target_col[r];
-    if (t >= 0) { /* the owner sends y_t's bits; every shard sends the counts */
-        v8f y[V8];
-        v8i valid[V8];
-        load_step(&v, t, t + 1, dtype, y, valid);
-        int32_t bits;
-        memcpy(&bits, &y[0][0], sizeof bits);
-        out[ELP_COL_TARGET_BITS] = bits; /* sign-extended, as int32 -> int64 */
-        out[ELP_COL_OWNERS] = 1;
-        out[ELP_COL_TARGET_MASKED] = v.keep != NULL && !v.keep[t];
-    }
+    uint64_t total[4];
+    for (int i = 0; i < 4; ++i) total[i] = (uint64_t)sums.total[i];
+    int64_t nonfinite = 0;
+    for (int i = 0; i < 8; ++i) nonfinite -= sums.nonfinite[i];
+    write_record(record + r * ELP_NUM_COLS, &v, total, nonfinite, target_col[r], dtype);
 }
 
 /* --- backward --- */
@@ -493,16 +510,17 @@ ELP_INLINE void store_step(char *p, const v8f f[V8], int64_t count, const int dt
     memcpy(p, buf, count * es);
 }
 
-ELP_INLINE void grad_row_fn(const elp_shard *s, const elp_grad_stats *st, char *out_base,
-                            int64_t r, const int dtype, const int entropy) {
+/* A row flagged NaN gets NaN in every column, cast like any other value. */
+ELP_INLINE void nan_row(char *out, int64_t n, const int dtype) {
+    int64_t es = elem_size(dtype);
+    v8f nan[V8];
+    for (int q = 0; q < V8; ++q) nan[q] = narrow(splat4(__builtin_nan("")), splat4(__builtin_nan("")));
+    for (int64_t j = 0; j < n; j += LANES) store_step(out + j * es, nan, min64(LANES, n - j), dtype);
+}
+
+ELP_INLINE void grad_row_fn(const elp_shard *s, const elp_grad_stats *st, char *out, int64_t r,
+                            const int dtype, const int entropy) {
     int64_t es = elem_size(dtype), n = s->n_cols;
-    char *out = out_base + r * n * es;
-    if (st->row_nan[r]) { /* NaN in every column, cast like any other value */
-        v8f nan[V8];
-        for (int q = 0; q < V8; ++q) nan[q] = narrow(splat4(__builtin_nan("")), splat4(__builtin_nan("")));
-        for (int64_t j = 0; j < n; j += LANES) store_step(out + j * es, nan, min64(LANES, n - j), dtype);
-        return;
-    }
     row_view v = row_of(s, r, dtype);
     grad_row g = grad_row_of(st, &v, r);
     for (int64_t j = 0; j < n; j += LANES) { /* padding columns too: they get 0 / tau */
@@ -511,6 +529,216 @@ ELP_INLINE void grad_row_fn(const elp_shard *s, const elp_grad_stats *st, char *
         load_step(&v, j, n, dtype, y, valid);
         grad_step(y, valid, j, &g, entropy, f);
         store_step(out + j * es, f, min64(LANES, n - j), dtype);
+    }
+}
+
+/* ------------------------------------------------------------------ value tables */
+
+/* 16-bit logits take at most 65536 values, and a row of an LLM's logits only a few
+   thousand of them (bf16 has 128 values per binade and sign). Once the row is fixed (M,
+   tau, the backward statistics), every per-column quantity of the contract -- term, e, w,
+   the non-finite flag, the gradient -- is a function of the column's value alone. So on
+   long rows the kernels evaluate the contract once per distinct value:
+     partials: count each value's columns; the limb sums over columns equal the sums over
+       values of count * limb, the same integers (integer addition is exact in any order);
+     grad: each column gets its value's gradient from a table filled on first sight; the
+       target column, whose formula differs, is computed on its own afterwards.
+   The element functions are the ones of the direct loops, so the bits are too. */
+enum { N_VALUES = 1 << 16, FIX_CAP = 4096 };
+
+/* Per-thread scratch. `slot` is all-zero between rows: partials keeps counts in it, grad
+   its table (FILLED | gradient bits, or PENDING while a value waits for its batch). */
+typedef struct {
+    uint32_t slot[N_VALUES];
+    uint16_t done[N_VALUES]; /* grad: the values whose slots this row set */
+    int64_t fix[FIX_CAP];    /* grad: columns stored before their value was computed */
+} value_scratch;
+
+enum { FILLED = 1u << 16, PENDING = 1u << 17 };
+
+ELP_INLINE int wants_tables(const elp_shard *s) {
+    return s->dtype != ELP_F32 && s->table_min_cols >= 0 && s->n_real >= s->table_min_cols;
+}
+
+/* The row view of `n` <= LANES distinct values: no keep mask, every value real. */
+ELP_INLINE row_view values_view(const row_view *v, const uint16_t *vals, int64_t n) {
+    row_view w = *v;
+    w.x = (const char *)vals;
+    w.keep = NULL;
+    w.n_cols = w.n_real = n;
+    return w;
+}
+
+/* Add count[i] times value i's limbs and non-finite flag to the row's sums. */
+ELP_INLINE void partials_values(const row_view *v, const uint16_t vals[LANES],
+                                const uint32_t cnt[LANES], int64_t n, v4d m, uint64_t total[4],
+                                int64_t *nonfinite, const int dtype, const int entropy) {
+    row_view w = values_view(v, vals, n);
+    v8f y8[V8];
+    v8i valid8[V8];
+    load_step(&w, 0, n, dtype, y8, valid8);
+    v4d y[V4], dz[V4], e[V4], eq[2][V4], wq[2][V4];
+    v4l valid[V4], term[V4];
+    widen(y8, valid8, y, valid);
+    terms(y, valid, m, term, dz);
+    exp_c(dz, e);
+    for (int i = 0; i < V4; ++i) e[i] = and4(term[i], e[i]);
+    quantize(e, eq[0], eq[1]);
+    if (entropy) {
+        v4d wv[V4];
+        for (int i = 0; i < V4; ++i) wv[i] = e[i] * (-dz[i]);
+        quantize(wv, wq[0], wq[1]);
+    }
+    for (int64_t c = 0; c < n; ++c) { /* lane c % 4 of vector c / 4 holds value c */
+        uint64_t k = cnt[c];
+        total[0] += k * (uint64_t)(int64_t)eq[0][c / 4][c % 4];
+        total[1] += k * (uint64_t)(int64_t)eq[1][c / 4][c % 4];
+        if (entropy) {
+            total[2] += k * (uint64_t)(int64_t)wq[0][c / 4][c % 4];
+            total[3] += k * (uint64_t)(int64_t)wq[1][c / 4][c % 4];
+        }
+        *nonfinite += (int64_t)k * (valid8[c / 8][c % 8] & !(y8[c / 8][c % 8] < __builtin_inff()));
+    }
+}
+
+ELP_INLINE int any_nonzero(const void *p) { /* 32 bytes */
+    uint64_t w[4];
+    memcpy(w, p, sizeof w);
+    return (w[0] | w[1] | w[2] | w[3]) != 0;
+}
+
+ELP_INLINE void partials_row_table(const elp_shard *s, const float *row_max,
+                                   const int64_t *target_col, int64_t *record, int64_t r,
+                                   const int dtype, const int entropy, value_scratch *sc) {
+    row_view v = row_of(s, r, dtype);
+    const uint16_t *x = (const uint16_t *)v.x;
+    uint32_t *count = sc->slot;
+    if (v.keep)
+        for (int64_t j = 0; j < v.n_real; ++j) count[x[j]] += v.keep[j] != 0;
+    else
+        for (int64_t j = 0; j < v.n_real; ++j) ++count[x[j]];
+
+    v4d m = splat4((double)row_max[r]);
+    uint64_t total[4] = {0, 0, 0, 0};
+    int64_t nonfinite = 0, n = 0;
+    uint16_t vals[LANES];
+    uint32_t cnt[LANES];
+    for (int64_t b = 0; b < N_VALUES; b += 8) { /* in value order, clearing as it goes */
+        if (!any_nonzero(count + b)) continue;
+        for (int64_t i = b; i < b + 8; ++i) {
+            if (!count[i]) continue;
+            vals[n] = (uint16_t)i;
+            cnt[n] = count[i];
+            count[i] = 0;
+            if (++n == LANES) {
+                partials_values(&v, vals, cnt, n, m, total, &nonfinite, dtype, entropy);
+                n = 0;
+            }
+        }
+    }
+    if (n) partials_values(&v, vals, cnt, n, m, total, &nonfinite, dtype, entropy);
+    write_record(record + r * ELP_NUM_COLS, &v, total, nonfinite, target_col[r], dtype);
+}
+
+/* slot[vals[i]] = FILLED | the gradient bits of a non-target column holding vals[i]. */
+ELP_INLINE void grad_values(const row_view *v, const grad_row *g, const uint16_t *vals,
+                            int64_t n, uint32_t *slot, const int dtype, const int entropy) {
+    row_view w = values_view(v, vals, n);
+    v8f y[V8], f[V8];
+    v8i valid[V8];
+    uint16_t bits[LANES];
+    load_step(&w, 0, n, dtype, y, valid);
+    grad_step(y, valid, 0, g, entropy, f);
+    store_step((char *)bits, f, n, dtype);
+    for (int64_t i = 0; i < n; ++i) slot[vals[i]] = FILLED | bits[i];
+}
+
+typedef struct {
+    const uint16_t *x;
+    uint16_t *o;
+    value_scratch *sc;
+    int64_t n_done, n_fix, first_pending; /* done[first_pending, n_done) are pending */
+} lazy_table;
+
+/* Compute the pending values, then store the columns that waited for them. */
+ELP_INLINE void settle(lazy_table *lt, const row_view *v, const grad_row *g, const int dtype,
+                       const int entropy) {
+    value_scratch *sc = lt->sc;
+    for (int64_t i = lt->first_pending; i < lt->n_done; i += LANES)
+        grad_values(v, g, sc->done + i, min64(LANES, lt->n_done - i), sc->slot, dtype, entropy);
+    lt->first_pending = lt->n_done;
+    for (int64_t i = 0; i < lt->n_fix; ++i) lt->o[sc->fix[i]] = (uint16_t)sc->slot[lt->x[sc->fix[i]]];
+    lt->n_fix = 0;
+}
+
+/* Column j's value has no gradient in the table yet: queue it (once) and remember j. */
+static __attribute__((noinline, cold)) void table_miss(lazy_table *lt, int64_t j,
+                                                       const row_view *v, const grad_row *g,
+                                                       const int dtype, const int entropy) {
+    uint32_t *slot = lt->sc->slot;
+    uint16_t val = lt->x[j];
+    if (!(slot[val] & PENDING)) {
+        slot[val] = PENDING;
+        lt->sc->done[lt->n_done++] = val;
+    }
+    lt->sc->fix[lt->n_fix++] = j;
+    if (lt->n_done - lt->first_pending == LANES || lt->n_fix == FIX_CAP)
+        settle(lt, v, g, dtype, entropy);
+}
+
+/* o[j] = the gradient of column j's value for the real columns [0, n_real); with a keep
+   mask, masked columns get `off`. */
+ELP_INLINE void table_columns(lazy_table *lt, const uint8_t *keep, uint16_t off, int64_t n_real,
+                              const row_view *v, const grad_row *g, const int dtype,
+                              const int entropy) {
+    const uint16_t *x = lt->x;
+    const uint32_t *slot = lt->sc->slot;
+    uint16_t *o = lt->o;
+    for (int64_t j = 0; j < n_real; ++j) {
+        if (keep && !keep[j]) {
+            o[j] = off;
+            continue;
+        }
+        uint32_t t = slot[x[j]];
+        o[j] = (uint16_t)t;
+        if (__builtin_expect(!(t & FILLED), 0)) table_miss(lt, j, v, g, dtype, entropy);
+    }
+}
+
+ELP_INLINE void grad_row_table(const elp_shard *s, const elp_grad_stats *st, char *out,
+                               int64_t r, const int dtype, const int entropy,
+                               value_scratch *sc) {
+    row_view v = row_of(s, r, dtype);
+    grad_row g = grad_row_of(st, &v, r);
+    grad_row g_any = g; /* columns other than the target */
+    g_any.target = (v4l){-1, -1, -1, -1};
+
+    /* what padding and masked columns get: the direct loop's value of an invalid lane */
+    uint16_t off;
+    {
+        v8f y[V8], f[V8];
+        v8i none[V8];
+        for (int q = 0; q < V8; ++q) y[q] = splat8(0.0f), none[q] = (v8i){0};
+        grad_step(y, none, 0, &g_any, entropy, f);
+        store_step((char *)&off, f, 1, dtype);
+    }
+
+    lazy_table lt = {(const uint16_t *)v.x, (uint16_t *)out, sc, 0, 0, 0};
+    if (v.keep)
+        table_columns(&lt, v.keep, off, v.n_real, &v, &g_any, dtype, entropy);
+    else
+        table_columns(&lt, NULL, off, v.n_real, &v, &g_any, dtype, entropy);
+    settle(&lt, &v, &g_any, dtype, entropy);
+    for (int64_t j = v.n_real; j < v.n_cols; ++j) lt.o[j] = off;
+    for (int64_t i = 0; i < lt.n_done; ++i) sc->slot[sc->done[i]] = 0; /* all-zero again */
+
+    int64_t t = st->target_col[r];
+    if (t >= 0) { /* the target column, with its own formula */
+        v8f y[V8], f[V8];
+        v8i valid[V8];
+        load_step(&v, t, t + 1, dtype, y, valid);
+        grad_step(y, valid, t, &g, entropy, f);
+        store_step(out + t * 2, f, 1, dtype);
     }
 }
 
@@ -527,31 +755,47 @@ typedef struct {
     const elp_grad_stats *stats;
     void *out;
     int variant;
+    int wants_scratch; /* each thread gets a value_scratch (NULL if it cannot): the rows
+                          take the value-table path */
 } elp_job;
 
-ELP_INLINE void row_max_with(const elp_job *job, int64_t r, const int dtype, const int entropy) {
-    (void)entropy; /* not a variant of this pass */
+ELP_INLINE void row_max_with(const elp_job *job, int64_t r, void *scratch, const int dtype,
+                             const int entropy) {
+    (void)scratch, (void)entropy; /* not a variant of this pass */
     ((float *)job->out)[r] = row_max_row(job->s, r, dtype);
 }
 
-ELP_INLINE void partials_with(const elp_job *job, int64_t r, const int dtype, const int entropy) {
-    partials_row(job->s, job->row_max, job->target_col, job->out, r, dtype, entropy);
+ELP_INLINE void partials_with(const elp_job *job, int64_t r, void *scratch, const int dtype,
+                              const int entropy) {
+    if (dtype != ELP_F32 && scratch)
+        partials_row_table(job->s, job->row_max, job->target_col, job->out, r, dtype, entropy,
+                           scratch);
+    else
+        partials_row(job->s, job->row_max, job->target_col, job->out, r, dtype, entropy);
 }
 
-ELP_INLINE void grad_with(const elp_job *job, int64_t r, const int dtype, const int entropy) {
-    grad_row_fn(job->s, job->stats, job->out, r, dtype, entropy);
+ELP_INLINE void grad_with(const elp_job *job, int64_t r, void *scratch, const int dtype,
+                          const int entropy) {
+    const elp_shard *s = job->s;
+    char *out = (char *)job->out + r * s->n_cols * elem_size(dtype);
+    if (job->stats->row_nan[r])
+        nan_row(out, s->n_cols, dtype);
+    else if (dtype != ELP_F32 && scratch)
+        grad_row_table(s, job->stats, out, r, dtype, entropy, scratch);
+    else
+        grad_row_fn(s, job->stats, out, r, dtype, entropy);
 }
 
-#define ELP_CASE(fn, v)                                                     \
-    case v:                                                                 \
-        for (int64_t r = r0; r < r1; ++r) fn(job, r, (v) >> 1, (v) & 1);   \
+#define ELP_CASE(fn, v)                                                              \
+    case v:                                                                          \
+        for (int64_t r = r0; r < r1; ++r) fn(job, r, scratch, (v) >> 1, (v) & 1);    \
         break;
 #define ELP_CASE_row_max(v) ELP_CASE(row_max_with, v)
 #define ELP_CASE_partials(v) ELP_CASE(partials_with, v)
 #define ELP_CASE_grad(v) ELP_CASE(grad_with, v)
-#define ELP_ROWS(pass, variants)                                                   \
-    static void pass##_rows(const elp_job *job, int64_t r0, int64_t r1) {         \
-        switch (job->variant) { variants(ELP_CASE_##pass) }                       \
+#define ELP_ROWS(pass, variants)                                                          \
+    static void pass##_rows(const elp_job *job, int64_t r0, int64_t r1, void *scratch) { \
+        switch (job->variant) { variants(ELP_CASE_##pass) }                              \
     }
 
 #define ELP_NO_ENTROPY(X) X(0) X(2) X(4)
@@ -561,7 +805,7 @@ ELP_ROWS(grad, ELP_VARIANTS)
 
 /* ------------------------------------------------------------------ threads */
 
-typedef void (*rows_fn)(const elp_job *job, int64_t r0, int64_t r1);
+typedef void (*rows_fn)(const elp_job *job, int64_t r0, int64_t r1, void *scratch);
 
 typedef struct {
     rows_fn fn;
@@ -572,11 +816,16 @@ typedef struct {
 
 static void *worker(void *arg) {
     elp_work *w = arg;
+    /* zeroed once; every row leaves it zeroed again. Without it the rows take the direct
+       loops, which give the same bits. */
+    void *scratch = w->job->wants_scratch ? calloc(1, sizeof(value_scratch)) : NULL;
     for (;;) {
         int64_t r0 = __atomic_fetch_add(&w->next, w->grab, __ATOMIC_RELAXED);
-        if (r0 >= w->n_rows) return NULL;
-        w->fn(w->job, r0, min64(r0 + w->grab, w->n_rows));
+        if (r0 >= w->n_rows) break;
+        w->fn(w->job, r0, min64(r0 + w->grab, w->n_rows), scratch);
     }
+    free(scratch);
+    return NULL;
 }
 
 enum { MAX_THREADS = 256, ROW_GRAB_ELEMENTS = 1 << 14 };
@@ -611,7 +860,7 @@ static int bad_shard(const elp_shard *s) {
 /* out[n_rows] fp32. Returns 0, or -1 for an invalid shard description. */
 int elp_row_max(const elp_shard *s, float *out) {
     if (bad_shard(s)) return -1;
-    elp_job job = {s, NULL, NULL, NULL, out, variant_of(s, 0)};
+    elp_job job = {s, NULL, NULL, NULL, out, variant_of(s, 0), 0};
     run_rows(row_max_rows, &job);
     return 0;
 }
@@ -620,7 +869,8 @@ int elp_row_max(const elp_shard *s, float *out) {
 int elp_partials(const elp_shard *s, const float *row_max, const int64_t *target_col,
                  int32_t with_entropy, int64_t *record) {
     if (bad_shard(s)) return -1;
-    elp_job job = {s, row_max, target_col, NULL, record, variant_of(s, with_entropy)};
+    elp_job job = {s, row_max, target_col, NULL, record, variant_of(s, with_entropy),
+                   wants_tables(s)};
     run_rows(partials_rows, &job);
     return 0;
 }
@@ -644,7 +894,8 @@ static void prefer_huge_pages(void *p, size_t bytes) {
 int elp_grad(const elp_shard *s, const elp_grad_stats *stats, int32_t with_entropy, void *out) {
     if (bad_shard(s)) return -1;
     prefer_huge_pages(out, (size_t)(s->n_rows * s->n_cols * (s->dtype == ELP_F32 ? 4 : 2)));
-    elp_job job = {s, NULL, NULL, stats, out, variant_of(s, with_entropy)};
+    elp_job job = {s, NULL, NULL, stats, out, variant_of(s, with_entropy),
+                   wants_tables(s)};
     run_rows(grad_rows, &job);
     return 0;
 }
