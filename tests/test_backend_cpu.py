@@ -291,12 +291,15 @@ def test_row_length_past_the_exact_float_flush(cpu, ref):
 # --- value tables: counts, many distinct values, the automatic choice ---
 
 
-def _passes(backend, x, target, tau, keep, plan, seed=0):
-    """(row max, record, gradient) of one shard through `backend`'s three passes."""
+def _passes(backend, x, target, tau, keep, plan, seed=0, nan_rows=True):
+    """(row max, record, gradient) of one shard through `backend`'s three passes;
+    nan_rows=False computes the gradient of rows that finalize flagged bad too."""
     m = backend.row_max(x, tau, keep, plan)
     record = backend.partials(x, target, tau, keep, m, plan)
     fin = contract.finalize(m, record, target, plan.vocab_size, -100, None)
     stats = _stats_for(fin, seed=seed)._replace(row_max=m)
+    if not nan_rows:
+        stats = stats._replace(row_nan=torch.zeros_like(stats.row_nan))
     return m, record, backend.grad(x, target, tau, keep, stats, plan)
 
 
@@ -322,7 +325,9 @@ def test_value_counts_multiply_exactly(cpu, ref):
 
 def test_every_fp16_value_in_one_row(cpu, ref):
     """A row holding all 65536 fp16 bit patterns (NaNs, infinities, subnormals, -0) plus
-    more columns, with temperatures that overflow large values to inf; validate=False."""
+    more columns, with temperatures that overflow large values to inf. Such rows are bad
+    (their gradient is NaN), so backward is also run as if they were not, to compare a
+    table of all 65536 values element by element."""
     every = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.float16)
     perm = torch.randperm(every.numel(), generator=torch.Generator().manual_seed(2))
     row = torch.cat([every[perm], every[:4464]])
@@ -334,9 +339,12 @@ def test_every_fp16_value_in_one_row(cpu, ref):
     keep[torch.arange(3), target] = True
     for kw in ({"tau": tau, "keep": None}, {"tau": 0.25, "keep": keep}):
         plan = ShardPlan(0, 70000 - 3, -100, True)
-        a = _passes(cpu, x, target, kw["tau"], kw["keep"], plan)
-        b = _passes(ref, x, target, kw["tau"], kw["keep"], plan)
-        _assert_passes_equal(a, b, "every fp16 value")
+        for nan_rows in (True, False):
+            a = _passes(cpu, x, target, kw["tau"], kw["keep"], plan, nan_rows=nan_rows)
+            b = _passes(ref, x, target, kw["tau"], kw["keep"], plan, nan_rows=nan_rows)
+            _assert_passes_equal(a, b, f"every fp16 value, nan_rows={nan_rows}")
+            finite = torch.isfinite(a[2].float()).sum(-1)
+            assert (finite > 60000).all() if not nan_rows else (finite == 0).all()
 
 
 def test_auto_value_tables_match_reference_on_long_rows(ref):

@@ -556,8 +556,9 @@ typedef struct {
 
 enum { FILLED = 1u << 16, PENDING = 1u << 17 };
 
-ELP_INLINE int wants_tables(const elp_shard *s) {
-    return s->dtype != ELP_F32 && s->table_min_cols >= 0 && s->n_real >= s->table_min_cols;
+ELP_INLINE int wants_tables(const elp_shard *s) { /* counts are uint32 */
+    return s->dtype != ELP_F32 && s->table_min_cols >= 0 && s->n_real >= s->table_min_cols &&
+           s->n_real < ((int64_t)1 << 32);
 }
 
 /* The row view of `n` <= LANES distinct values: no keep mask, every value real. */
