@@ -263,15 +263,21 @@ ELP_INLINE void terms(const v4d y[V4], const v4l valid[V4], v4d m, v4l term[V4],
     }
 }
 
-/* Add LANES columns to the row sums (contract.local_partials). */
-ELP_INLINE void partials_step(const v8f y8[V8], const v8i valid8[V8], v4d m, row_sums *s,
-                              const int entropy) {
-    v4d y[V4], dz[V4], e[V4];
+/* e of LANES columns, +0 where a column is not a term, and dz (contract stages 2-3). */
+ELP_INLINE void term_exps(const v8f y8[V8], const v8i valid8[V8], v4d m, v4d e[V4], v4d dz[V4]) {
+    v4d y[V4];
     v4l valid[V4], term[V4];
     widen(y8, valid8, y, valid);
     terms(y, valid, m, term, dz);
     exp_c(dz, e);
     for (int i = 0; i < V4; ++i) e[i] = and4(term[i], e[i]);
+}
+
+/* Add LANES columns to the row sums (contract.local_partials). */
+ELP_INLINE void partials_step(const v8f y8[V8], const v8i valid8[V8], v4d m, row_sums *s,
+                              const int entropy) {
+    v4d dz[V4], e[V4];
+    term_exps(y8, valid8, m, e, dz);
     quantize_add(e, &s->e_hi, &s->e_lo);
     if (entropy) {
         v4d w[V4];
@@ -578,12 +584,8 @@ ELP_INLINE void partials_values(const row_view *v, const uint16_t vals[LANES],
     v8f y8[V8];
     v8i valid8[V8];
     load_step(&w, 0, n, dtype, y8, valid8);
-    v4d y[V4], dz[V4], e[V4], eq[2][V4], wq[2][V4];
-    v4l valid[V4], term[V4];
-    widen(y8, valid8, y, valid);
-    terms(y, valid, m, term, dz);
-    exp_c(dz, e);
-    for (int i = 0; i < V4; ++i) e[i] = and4(term[i], e[i]);
+    v4d dz[V4], e[V4], eq[2][V4], wq[2][V4];
+    term_exps(y8, valid8, m, e, dz);
     quantize(e, eq[0], eq[1]);
     if (entropy) {
         v4d wv[V4];
