@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import warnings
 
 import torch
 
@@ -27,12 +28,16 @@ def backend_names() -> tuple[str, ...]:
 def get_backend(name: str, device: torch.device) -> Backend:
     """The backend called `name` (or the best for `device` when name == "auto")."""
     if name == "auto":
+        passed_over = []
         for candidate, device_types in _AUTO_ORDER:
             if device_types is not None and device.type not in device_types:
                 continue
             backend = _load(candidate)
             if backend is not None and backend.supports(device):
+                if passed_over and candidate == "reference":
+                    _warn_fallback(device, passed_over)
                 return backend
+            passed_over.append(candidate)
         raise RuntimeError(f"no exactlogp backend supports device {device}")
     if name not in _REGISTRY:
         raise ValueError(f"backend must be 'auto' or one of {backend_names()}, got {name!r}")
@@ -48,6 +53,24 @@ def get_backend(name: str, device: torch.device) -> Backend:
 
 
 _load_errors: dict[str, str] = {}
+_warned: set[tuple[str, tuple[str, ...]]] = set()
+
+
+def _warn_fallback(device: torch.device, passed_over: list[str]) -> None:
+    """Once per device type: "auto" fell back to the slow reference backend, and why."""
+    key = (device.type, tuple(passed_over))
+    if key in _warned:
+        return
+    _warned.add(key)
+    why = "; ".join(
+        f"backend={n!r}: {_load_errors.get(n, 'does not support it')}" for n in passed_over
+    )
+    warnings.warn(
+        f"exactlogp: backend='auto' uses the reference backend on {device.type} (the same "
+        f"bits, but tens of times slower) because {why}",
+        RuntimeWarning,
+        stacklevel=4,
+    )
 
 
 def _load(name: str) -> Backend | None:

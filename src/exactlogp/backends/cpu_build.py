@@ -1,11 +1,18 @@
 """Build and load the fused CPU kernels (csrc/exactlogp_cpu.c) on first use.
 
 The C source ships inside the package and is compiled by the system C compiler into a
-cache directory, keyed by a hash of the source, the generated constants header, the
-compiler and its flags; later processes load the cached library with ctypes. Nothing
-needs Python headers, a build step at install time, torch headers or a network, and a
-source checkout on PYTHONPATH works like an installed wheel. Without a compiler the
-package still works with the reference backend; backend="cpu" then says why it cannot.
+cache directory, keyed by a hash of the source, the generated constants header and the
+flags; later processes load the cached library with ctypes, and look for a compiler only
+when they have to build (a cached library loads on a machine without one). Nothing needs
+Python headers, a build step at install time, torch headers or a network, and a source
+checkout on PYTHONPATH works like an installed wheel. Without a compiler the package still
+works with the reference backend; backend="cpu" then says why it cannot.
+
+The cache is a security boundary: a library found there is executed. So the cache
+directory must be owned by this user and writable by nobody else (created 0700, checked
+with lstat: no symlink, right owner, no group/world write); every library is verified
+against a SHA-256 sidecar written after its atomic rename, and one that does not match
+(truncated by a crash, damaged, planted) is rebuilt instead of loaded.
 
 The numeric constants are not written in the C source: `constants_header()` generates
 them from contract.py (C99 hex literals, exact), so there is one definition of each.
@@ -24,6 +31,7 @@ import logging
 import os
 import platform
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
@@ -155,15 +163,52 @@ def cache_dir() -> Path:
     return Path(xdg) / "exactlogp"
 
 
-def _writable_cache_dir() -> Path:
-    for path in (cache_dir(), Path(tempfile.gettempdir()) / f"exactlogp-{os.getuid()}"):
+def _candidate_dirs() -> list[Path]:
+    """Where the kernels may live: cache_dir(), then a per-user directory in the temporary
+    directory (not when $EXACTLOGP_CACHE_DIR names the one place to use)."""
+    if os.environ.get("EXACTLOGP_CACHE_DIR"):
+        return [cache_dir()]
+    return [cache_dir(), Path(tempfile.gettempdir()) / f"exactlogp-{os.getuid()}"]
+
+
+def private_dir_problem(path: Path) -> str | None:
+    """Why `path` may not hold code this process executes, or None when it is a real
+    directory (not a symlink) owned by this user that no other user can write."""
+    try:
+        st = os.lstat(path)
+    except OSError as exc:
+        return f"cannot inspect it: {exc}"
+    if stat.S_ISLNK(st.st_mode):
+        return "it is a symbolic link"
+    if not stat.S_ISDIR(st.st_mode):
+        return "it is not a directory"
+    if st.st_uid != os.getuid():
+        return f"it is owned by uid {st.st_uid}, not by this user (uid {os.getuid()})"
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return f"other users may write to it (mode {stat.S_IMODE(st.st_mode):o})"
+    return None
+
+
+def _private_cache_dir() -> Path:
+    """The first candidate directory that is, or can be made, private to this user."""
+    refused = []
+    for path in _candidate_dirs():
         try:
-            path.mkdir(parents=True, exist_ok=True)
-            if os.access(path, os.W_OK):
-                return path
-        except OSError:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.mkdir(mode=0o700, exist_ok=True)
+        except OSError as exc:
+            refused.append(f"{path}: cannot create it: {exc}")
             continue
-    raise CpuBuildError(f"no writable cache directory for the CPU kernels (tried {cache_dir()})")
+        problem = private_dir_problem(path)
+        if problem is None:
+            return path
+        refused.append(f"{path}: {problem}")
+    raise CpuBuildError(
+        "no private cache directory for the compiled CPU kernels (a library found there is "
+        "executed, so it must be a directory of this user's that nobody else can write): "
+        + "; ".join(refused)
+        + ". Set EXACTLOGP_CACHE_DIR to such a directory (e.g. one created with mode 0700)."
+    )
 
 
 def _source() -> str:
@@ -174,14 +219,50 @@ def _flags(isa: str) -> tuple[str, ...]:
     return (*CFLAGS, *ISA_FLAGS[isa])
 
 
-def _library_name(source: str, header: str, compiler: str, isa: str) -> str:
-    key = "\0".join((source, header, compiler, " ".join(_flags(isa)), platform.machine()))
+def _library_name(source: str, header: str, isa: str) -> str:
+    key = "\0".join((source, header, " ".join(_flags(isa)), platform.machine()))
     return f"exactlogp_cpu-{isa}-{hashlib.sha256(key.encode()).hexdigest()[:20]}.so"
 
 
+def _sidecar(library: Path) -> Path:
+    return library.with_name(library.name + ".sha256")
+
+
+def _file_sha256(path: Path) -> str | None:
+    """SHA-256 of the file at `path` (never following a symlink), None if unreadable."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    except OSError:
+        return None
+    h = hashlib.sha256()
+    with os.fdopen(fd, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def verified(library: Path) -> bool:
+    """The library is there and matches the SHA-256 written next to it after its build."""
+    try:
+        fd = os.open(_sidecar(library), os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        with os.fdopen(fd) as f:
+            recorded = f.read().strip()
+    except OSError:
+        return False
+    return recorded != "" and _file_sha256(library) == recorded
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0), 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
 def _compile(compiler: str, source: str, header: str, isa: str, target: Path) -> None:
-    """Compile into a private directory, then rename into place: atomic, so processes
-    building at the same time never load a half-written library."""
+    """Compile into a private directory, rename into place (atomic, so processes building
+    at the same time never load a half-written library), then record its SHA-256."""
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=".build-") as tmp:
         (Path(tmp) / SOURCE_NAME).write_text(source)
         (Path(tmp) / HEADER_NAME).write_text(header)
@@ -196,7 +277,9 @@ def _compile(compiler: str, source: str, header: str, isa: str, target: Path) ->
                 f"compiling the CPU kernels ({isa}) with {compiler} failed:\n"
                 f"{run.stderr.strip()[-2000:]}"
             )
+        digest = _file_sha256(out)
         os.replace(out, target)
+        _write_atomic(_sidecar(target), digest + "\n")
 
 
 @contextlib.contextmanager
@@ -206,7 +289,8 @@ def _build_lock(directory: Path):
     if fcntl is None:
         yield
         return
-    with open(directory / ".build.lock", "w") as lock:
+    flags = os.O_WRONLY | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0)
+    with os.fdopen(os.open(directory / ".build.lock", flags, 0o600), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             yield
@@ -215,20 +299,21 @@ def _build_lock(directory: Path):
 
 
 def build(isa: str | None = None) -> Path:
-    """Path of the compiled library for `isa` (default: this CPU's), compiled first
-    unless the cache has it."""
+    """Path of the verified compiled library for `isa` (default: this CPU's), compiled
+    first unless the private cache holds it intact."""
     isa = isa or default_isa()
     if isa not in ISA_FLAGS:
         raise ValueError(f"isa must be one of {sorted(ISA_FLAGS)}, got {isa!r}")
     source, header = _source(), constants_header()
-    compiler = find_compiler()
-    directory = _writable_cache_dir()
-    target = directory / _library_name(source, header, compiler, isa)
-    if not target.exists():
+    directory = _private_cache_dir()
+    target = directory / _library_name(source, header, isa)
+    if not verified(target):
         with _build_lock(directory):
-            if not target.exists():  # another process may have built it meanwhile
+            if not verified(target):  # another process may have built it meanwhile
+                if os.path.lexists(target):
+                    log.warning("exactlogp: %s fails its SHA-256 check; rebuilding it", target)
                 log.info("compiling the exactlogp CPU kernels (%s, once) into %s", isa, target)
-                _compile(compiler, source, header, isa, target)
+                _compile(find_compiler(), source, header, isa, target)
     return target
 
 
