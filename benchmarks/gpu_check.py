@@ -49,7 +49,6 @@ import torch
 import exactlogp
 from exactlogp import contract, testing
 from exactlogp.backends import ShardPlan, get_backend
-from exactlogp.contract import GradStats
 
 QWEN3_NEXT_VOCAB = 151936
 TP = 4
@@ -175,16 +174,13 @@ def run_sharded(inp: Inputs, case: BitCase, with_entropy: bool) -> dict:
         x, keep, plan = shard(lo, hi)
         record += impl.partials(x, inp.target, inp.temperature, keep, row_max, plan)
     fin = impl.finalize(row_max, record, inp.target, case.vocab_size, -100, None)
-    g_lp, g_lse, g_ent = (torch.where(fin.ignored, 0.0, w.double()) for w in inp.weights)
-    stats = GradStats(
-        row_max=row_max, s_hi=fin.s_hi, log_s=fin.log_s, entropy64=fin.entropy64,
-        coef_a=g_lse - g_lp, coef_b=g_ent if with_entropy else torch.zeros_like(g_ent),
-        coef_t=g_lp, row_nan=fin.bad != 0,
-    )  # fmt: skip
+    g_lp, g_lse, g_ent = inp.weights
+    stats = contract.grad_stats(row_max, fin, g_lp, g_ent if with_entropy else None, g_lse)
+    tau = contract.grad_temperature(stats, inp.temperature)
     grads = []
     for lo, hi in spans:
         x, keep, plan = shard(lo, hi)
-        grads.append(impl.grad(x, inp.target, inp.temperature, keep, stats, plan))
+        grads.append(impl.grad(x, inp.target, tau, keep, stats, plan))
     outs = {"logprobs": fin.logprobs, "lse": fin.lse}
     if with_entropy:
         outs["entropy"] = fin.entropy

@@ -14,7 +14,7 @@ any machine, so these checks run in CI:
 
 It also reports registers, spills, fp64 divisions and SASS instruction counts (DFMA must
 be 0 outside the IEEE fp64 division sequences, so it is checked on the kernels without a
-division: the max and term passes). Kernels: max pass, term pass, finalize, gradient.
+division: the max and partials passes). Kernels: max pass, partials pass, finalize, gradient.
 
     python benchmarks/triton_ptx_check.py [--arch 90] [--quick] [--out DIR]
 """
@@ -65,7 +65,7 @@ def variants(quick: bool) -> list[Variant]:
     full = [
         Variant("row_max", bf16, ("tau", "keep")),
         Variant("partials", bf16, ("tau", "keep", "entropy")),
-        Variant("finalize", None, ("vocab_size", "bad_tau")),
+        Variant("finalize", None, ("vocab_size", "bad_tau", "disagree")),
         Variant("grad", bf16, ("tau", "keep", "entropy")),
     ]
     if quick:
@@ -82,11 +82,12 @@ def variants(quick: bool) -> list[Variant]:
 
 def _finalize_signature(v: Variant) -> tuple[object, dict, dict, launch.LaunchConfig]:
     ptrs = {"max_ptr": "*fp32", "rec_ptr": "*i64", "target_ptr": "*i64", "bad_tau_ptr": "*u8",
-            "logprobs_ptr": "*i32", "entropy_ptr": "*i32", "lse_ptr": "*i32",
-            "s_hi_ptr": "*fp64", "log_s_ptr": "*fp64", "ent64_ptr": "*fp64",
-            "bad_ptr": "*i64", "ignored_ptr": "*u8"}  # fmt: skip
+            "disagree_ptr": "*u8", "logprobs_ptr": "*i32", "entropy_ptr": "*i32",
+            "lse_ptr": "*i32", "s_hi_ptr": "*fp64", "s_lo_ptr": "*fp64", "log_s_ptr": "*fp64",
+            "ent64_ptr": "*fp64", "bad_ptr": "*i64", "ignored_ptr": "*u8"}  # fmt: skip
     ints = {"n_rows": "i32", "stride_rec": "i32", "vocab_size": "i32", "ignore_index": "i64"}
     constexprs = {"HAS_VOCAB": "vocab_size" in v.flags, "HAS_BAD_TAU": "bad_tau" in v.flags,
+                  "HAS_DISAGREE": "disagree" in v.flags,
                   "BLOCK_N": launch.FINALIZE_BLOCK_N}  # fmt: skip
     signature = {**ptrs, **ints, **dict.fromkeys(constexprs, "constexpr")}
     cfg = launch.LaunchConfig(block_v=launch.FINALIZE_BLOCK_N, num_warps=launch.FINALIZE_NUM_WARPS)
@@ -109,13 +110,14 @@ def _signature(v: Variant) -> tuple[object, dict, dict, launch.LaunchConfig]:
         ptrs = {"x_ptr": x, "keep_ptr": "*u8", "tau_ptr": "*fp32", "max_ptr": "*fp32",
                 "target_ptr": "*i64", "table_ptr": "*fp64", "out_ptr": "*i64"}  # fmt: skip
         ints += ["vocab_start", "ignore_index", "cols_per_program"]
-        fn, cfg = kernels.partials_kernel, cfgs.term_pass
+        fn, cfg = kernels.partials_kernel, cfgs.partials
         extra = {"WITH_ENTROPY": "entropy" in v.flags}
     else:
         ptrs = {"x_ptr": x, "keep_ptr": "*u8", "tau_ptr": "*fp32", "tau64_ptr": "*fp64",
                 "target_ptr": "*i64", "table_ptr": "*fp64", "max_ptr": "*fp32"}  # fmt: skip
         ptrs |= {
-            f"{k}_ptr": "*fp64" for k in ("s_hi", "log_s", "ent", "coef_a", "coef_b", "coef_t")
+            f"{k}_ptr": "*fp64"
+            for k in ("s_hi", "s_lo", "log_s", "ent", "coef_a", "coef_b", "coef_t", "coef_l")
         }
         ptrs |= {"row_nan_ptr": "*u8", "out_ptr": _OUT_BITS[v.dtype]}
         ints = ["stride_x", "stride_keep", "stride_tau", "n_cols", "n_real", "vocab_start",
@@ -245,8 +247,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="one variant per kernel")
     parser.add_argument("--out", type=Path, help="write ptx_check.json and ptx_check.md here")
     args = parser.parse_args(argv)
+    from triton.compiler.errors import CompilationError
+
     try:
         results = [compile_and_check(v, args.arch) for v in variants(args.quick)]
+    except CompilationError:  # the kernels' own code (or this script's signature) is wrong
+        raise
     except Exception as exc:  # no compiler for this target on this machine
         print(f"cannot compile for sm_{args.arch} here: {type(exc).__name__}: {exc}")
         return 2

@@ -119,3 +119,57 @@ def test_gradients_match_fp64_analytic(dtype):
         bound = bound + finfo.eps * torch.clamp(exact.abs(), min=finfo.smallest_normal)
     assert ((ours - exact).abs() <= bound).all()
     assert torch.equal(x.grad[~live], torch.zeros_like(x.grad[~live]))
+
+
+def test_near_certain_target_gradient_keeps_its_relative_precision():
+    """d logprob / dy_t = 1 - p_t is computed from the exact S ((S - e_t) / S), not as
+    1 - e_t / S: at logprob ~ -1e-13 the latter is off by ~500 ulp, this is within 1 ulp."""
+    import mpmath
+
+    rows = []
+    for lift in (9.0, 16.0, 23.0, 30.0, 34.5):  # 1 - p_t from ~1e-2 down to ~1e-13
+        row = [0.5 * math.sin(j) for j in range(200)]
+        row[17] = lift
+        rows.append(row)
+    x = torch.tensor(rows, dtype=torch.float32, requires_grad=True)
+    t = torch.full((len(rows),), 17)
+    selected_logprobs(x, t).logprobs.sum().backward()
+    with mpmath.workdps(60):
+        for i in range(len(rows)):
+            y = [mpmath.mpf(float(v)) for v in x[i].detach()]
+            m = max(y)
+            s = mpmath.fsum(mpmath.exp(v - m) for v in y)
+            one_minus_p = 1 - mpmath.exp(y[17] - m) / s
+            ours = float(x.grad[i, 17])
+            err_ulps = abs(mpmath.mpf(ours) - one_minus_p) / float(ulp32(torch.tensor(ours)))
+            assert err_ulps <= 0.5 + 2.0**-20, (i, float(one_minus_p), ours, float(err_ulps))
+    assert float(x.grad[-1, 17]) < 1e-12
+
+
+def test_fp32_midpoints_can_round_twice_as_documented():
+    """The binary64 value is rounded to fp32 once more; where the exact value lies within
+    the error bound of an fp32 midpoint the result may be the other neighbour
+    (docs/numerics.md section 8 gives this row)."""
+    x = torch.tensor([[64.0, -(2.0**30), 44.0]])
+    res = selected_logprobs(x, torch.tensor([1]))
+    # exact: -2^30 - 64 - 2.06e-9, just past the midpoint -2^30 - 64 of -2^30 and
+    # -2^30 - 128; binary64 rounds it onto the midpoint, which ties to even: -2^30
+    assert res.logprobs.item() == -(2.0**30)
+    exact = mpmath_row(x[0].double(), 1)[0]
+    assert abs(res.logprobs.item() - exact) <= 0.5 * 128 + 2.0**-49 * abs(exact)
+
+
+def test_lse_near_zero_has_an_absolute_not_a_relative_bound():
+    """lse = M + log S cancels when M ~ -log S: on an all-equal row of value fl32(-ln V)
+    it is ~1e-12, and the absolute bound 2^-52 |M| + 2^-49 log S + V 2^-85 is thousands
+    of fp32 ulps of that (docs/numerics.md section 8)."""
+    import mpmath
+
+    vocab = 42073
+    m = float(torch.tensor(-math.log(vocab), dtype=torch.float32))
+    res = selected_logprobs(torch.full((1, vocab), m), torch.tensor([0]))
+    with mpmath.workdps(60):
+        exact = float(mpmath.mpf(m) + mpmath.log(vocab))
+    err = abs(res.lse.item() - exact)
+    assert err <= 2.0**-52 * abs(m) + 2.0**-49 * math.log(vocab) + vocab * 2.0**-85
+    assert err / float(ulp32(torch.tensor(exact))) > 1000  # measured: ~6949 ulp

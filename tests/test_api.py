@@ -29,7 +29,7 @@ def test_result_type_shapes_and_contract(batch):
     assert res.entropy is None
     assert res.logprobs.dtype == res.lse.dtype == torch.float32
     assert res.logprobs.shape == res.lse.shape == t.shape
-    assert exactlogp.CONTRACT == "exactlogp-v1"
+    assert exactlogp.CONTRACT == "exactlogp-v2"
     assert run(x, t, with_entropy=True).entropy.shape == t.shape
 
 
@@ -162,9 +162,18 @@ def test_bad_rows_give_nan_only_there_without_validation(batch):
     clean = run(x.detach()[:1], t[:1], with_entropy=True)
     for u, v in zip(res, clean, strict=True):
         assert_bitwise_equal(u[:1], v)
+    # the loss reads row 0 only: the bad rows get an exact +0 gradient, not NaN
     res.logprobs[0].backward()
     assert torch.isfinite(x.grad[0]).all()
-    assert torch.isnan(x.grad[bad]).all()
+    assert_bitwise_equal(x.grad[bad], torch.zeros_like(x.grad[bad]))
+    alone = x.grad[0].clone()
+    # a gradient flowing into a bad row makes that row NaN; row 0 is bitwise unchanged
+    x.grad = None
+    res = run(x, t, validate=False, with_entropy=True, temperature=tau)
+    (res.logprobs[0] + res.logprobs[1] + res.entropy[5]).backward()
+    assert torch.isnan(x.grad[[1, 5]]).all()
+    assert_bitwise_equal(x.grad[[2, 3, 4]], torch.zeros_like(x.grad[[2, 3, 4]]))
+    assert_bitwise_equal(x.grad[0], alone)
 
 
 # --- clear errors ---
@@ -199,7 +208,7 @@ def test_argument_value_errors(batch):
     _raises(ValueError, r"vocab_size must be <= 1048576, got 1048577", x, t, vocab_size=2**20 + 1)
     _raises(ValueError, r"vocab_size must be >= 1, got 0", x, t, vocab_size=0)
     _raises(ValueError, r"vocab_start must be >= 0, got -1", x, t, vocab_start=-1)
-    _raises(ValueError, r"ends at column 1048673 > 2\^20", x, t, vocab_start=2**20)
+    _raises(ValueError, r"ends at column 1048673 > 2\^20", torch.zeros(1, 2**20 + 97), t[:1])
     _raises(ValueError, "backend must be 'auto' or one of", x, t, backend="cuda-magic")
     _raises(ValueError, "target is on meta but must be on cpu", x, t.to("meta"))
 
@@ -207,13 +216,20 @@ def test_argument_value_errors(batch):
 def test_data_errors_name_the_row_and_value(batch):
     x, t = batch
     bad_t = t.clone()
-    bad_t[2] = 97
+    bad_t[2] = 90
     _raises(
-        ValueError, r"target\[2\] = 97 is outside \[0, vocab_size=97\)", x, bad_t, vocab_size=97
+        ValueError, r"target\[2\] = 90 is outside \[0, vocab_size=90\)", x, bad_t, vocab_size=90
     )
     bad_t[2] = -3
     _raises(ValueError, r"target\[2\] = -3 is outside", x, bad_t)
-    _raises(ValueError, r"target\[0\] = \d+ is held by 0 of 1 vocab shards", x, t, vocab_start=200)
+    bad_t[2] = 200
+    _raises(
+        ValueError,
+        r"target\[2\] = 200 is not a column of vocab_parallel_logits, which holds the whole "
+        r"vocabulary \[0, 97\) \(there is no tensor-parallel group\)",
+        x,
+        bad_t,
+    )
     mask = torch.ones_like(x, dtype=torch.bool)
     mask[4, t[4]] = False
     _raises(
@@ -237,6 +253,44 @@ def test_data_errors_name_the_row_and_value(batch):
     y[1, 2, 0] = float("nan")
     y[1, 1, 0] = float("nan")
     _raises(ValueError, r"row\[1, 1\] .* \(1 more bad row\)", y, t.view(2, 3))
+
+
+def test_single_process_edges_are_errors(batch):
+    x, t = batch
+    # without a TP group the logits are the whole vocabulary
+    _raises(ValueError, r"vocab_start=5 but there is no tensor-parallel group", x, t, vocab_start=5)
+    _raises(ValueError, r"vocab_size=98 is larger than the 97 columns", x, t, vocab_size=98)
+    # unsigned ids would wrap around (uint64) or cannot be ignore_index
+    for dtype in (torch.uint8, torch.uint16, torch.uint32, torch.uint64):
+        _raises(TypeError, rf"signed integer token ids .* got dtype {dtype}", x, t.to(dtype))
+    # Python ints beyond int64 name the argument instead of overflowing somewhere inside
+    _raises(
+        ValueError,
+        r"ignore_index must be <= 9223372036854775807, got 1180591620717411303424",
+        x,
+        t,
+        ignore_index=2**70,
+    )
+    _raises(
+        ValueError, r"ignore_index must be >= -9223372036854775808", x, t, ignore_index=-(2**64)
+    )
+    _raises(ValueError, r"vocab_start must be <= 16777216", x, t, vocab_start=2**70)
+    _raises(ValueError, r"vocab_size must be <= 1048576", x, t, vocab_size=2**70)
+    # the temperature is not differentiated: a tensor that asks for it is refused
+    tau = torch.ones(6, requires_grad=True)
+    _raises(ValueError, r"temperature is a tensor that requires grad", x, t, temperature=tau)
+    assert torch.isfinite(run(x, t, temperature=tau.detach()).logprobs).all()
+    with torch.no_grad():
+        run(x, t, temperature=tau)
+
+
+def test_double_backward_is_refused_loudly(batch):
+    x, t = batch
+    x = x.clone().requires_grad_(True)
+    res = run(x, t, with_entropy=True)
+    (g,) = torch.autograd.grad(res.logprobs.sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="its gradient cannot be differentiated again"):
+        g.sum().backward()
 
 
 def test_temperature_overflow_to_inf_is_reported(batch):

@@ -226,13 +226,7 @@ def _stats_for(fin: contract.Finalized, seed: int) -> GradStats:
     gen = torch.Generator().manual_seed(seed)
     n = fin.s_hi.shape[0]
     g_lp, g_ent, g_lse = (torch.randn(n, generator=gen, dtype=torch.float64) for _ in range(3))
-    zero = torch.zeros(n, dtype=torch.float64)
-    keep = ~fin.ignored
-    return GradStats(
-        row_max=None, s_hi=fin.s_hi, log_s=fin.log_s, entropy64=fin.entropy64,
-        coef_a=torch.where(keep, g_lse - g_lp, zero), coef_b=torch.where(keep, g_ent, zero),
-        coef_t=torch.where(keep, g_lp, zero), row_nan=fin.bad != 0,
-    )  # fmt: skip
+    return contract.grad_stats(None, fin, g_lp, g_ent, g_lse)
 
 
 def _compare_shards(cpu, ref, x, target, boundaries, **kw):

@@ -129,11 +129,7 @@ def _row_stats(logits, target, tau, keep, vocab_size, with_entropy, seed=0, igno
     g_lp, g_ent, g_lse = (
         torch.randn(len(target), generator=gen, dtype=torch.float64) for _ in "abc"
     )
-    zero = lambda v: torch.where(fin.ignored, 0.0, v)  # noqa: E731
-    return contract.GradStats(
-        row_max=row_max, s_hi=fin.s_hi, log_s=fin.log_s, entropy64=fin.entropy64,
-        coef_a=zero(g_lse - g_lp), coef_b=zero(g_ent), coef_t=zero(g_lp), row_nan=fin.bad != 0,
-    )  # fmt: skip
+    return contract.grad_stats(row_max, fin, g_lp, g_ent, g_lse)
 
 
 def _compare_shard(

@@ -1,4 +1,4 @@
-"""The constants and elementwise pieces of contract v1, checked against mpmath and Python ints."""
+"""The constants and elementwise pieces of the contract, checked against mpmath and Python ints."""
 
 import math
 from fractions import Fraction
@@ -66,7 +66,8 @@ def test_exp_c_is_accurate_over_the_whole_domain():
         abs((mpmath.mpf(float(v)) - mpmath.exp(float(x))) / mpmath.exp(float(x)))
         for x, v in zip(d[::7].tolist(), e[::7].tolist(), strict=True)
     )
-    assert worst < 2.0**-51, float(worst)
+    # docs/numerics.md section 4: 3.12 u from the roundings (measured: 2^-51.55)
+    assert worst < 3.12 * 2.0**-53, float(worst)
     assert contract.exp_c(torch.zeros(1, dtype=torch.float64)).item() == 1.0
 
 

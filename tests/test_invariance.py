@@ -10,7 +10,6 @@ from hypothesis import strategies as st
 
 from exactlogp import contract, selected_logprobs
 from exactlogp.backends import ShardPlan, get_backend
-from exactlogp.contract import GradStats
 from exactlogp.testing import assert_bitwise_equal, llm_like_logits, simulate_shards
 
 QWEN3_NEXT_VOCAB = 151936
@@ -115,8 +114,7 @@ def test_each_gradient_shard_is_the_slice_of_the_tp1_gradient(case):
     split = simulate_shards(
         x, t, case["boundaries"], vocab_size=case["vocab"], temperature=tau, keep_mask=mask
     )
-    ignored = t == -100
-    one = torch.where(ignored, 0.0, torch.ones(case["rows"], dtype=torch.float64))
+    one = torch.ones(case["rows"], dtype=torch.float64)
     row_max = torch.full((case["rows"],), float("-inf"))
     backend = get_backend("reference", x.device)
     plans = [ShardPlan(lo, case["vocab"], -100, True) for lo in case["boundaries"][:-1]]
@@ -128,10 +126,8 @@ def test_each_gradient_shard_is_the_slice_of_the_tp1_gradient(case):
         row_max = torch.maximum(
             row_max, backend.row_max(x[:, plan.vocab_start : hi], tau_t, m, plan)
         )
-    stats = GradStats(
-        row_max=row_max, s_hi=split.s_hi, log_s=split.log_s, entropy64=split.entropy64,
-        coef_a=0.25 * one - one, coef_b=-0.5 * one, coef_t=one, row_nan=split.bad != 0,
-    )  # fmt: skip
+    stats = contract.grad_stats(row_max, split, one, -0.5 * one, 0.25 * one)
+    tau_t = contract.grad_temperature(stats, tau_t)
     for plan, hi in zip(plans, case["boundaries"][1:], strict=True):
         lo = plan.vocab_start
         m = None if mask is None else mask[:, lo:hi]

@@ -185,7 +185,7 @@ def test_forward_is_three_launches_without_sync(triton_backend, monkeypatch, tem
     temperature's fill per local pass, or autograd's flags of a per-row temperature);
     finalize itself only allocates, and nothing reads a device value on the host."""
     launches: list[str] = []
-    launch._exp2_table(DEVICE)  # made once per device, not per forward: made before the log
+    contract.exp2_table(DEVICE)  # made once per device, not per forward: made before the log
     interpreted = launch.interpreted()
     monkeypatch.setattr(launch, "interpreted", lambda: interpreted)
     monkeypatch.setattr(launch, "_target_programs", lambda device: 1)  # no split rows

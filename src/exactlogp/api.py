@@ -2,16 +2,17 @@
 
 Same call with and without tensor parallelism; a TP group of one is the whole vocab.
 Every output is bitwise identical for any TP degree, shard layout, padding, collective
-algorithm, batch composition, repeat and backend (contract exactlogp-v1).
+algorithm, batch composition, repeat and backend (exactlogp.CONTRACT).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
-from . import contract, distributed, validation
+from . import agreement, contract, distributed, validation
 from .autograd import Options, SelectedLogprobsFunction
 from .backends import ShardPlan, get_backend
 
@@ -22,6 +23,7 @@ class LogprobResult(NamedTuple):
     lse: torch.Tensor  # shape of target, fp32: log-sum-exp of y over the real, kept vocab
 
 
+@torch.compiler.disable
 def selected_logprobs(
     vocab_parallel_logits: torch.Tensor,
     target: torch.Tensor,
@@ -40,67 +42,123 @@ def selected_logprobs(
 
     Args:
         vocab_parallel_logits: (..., V_local) bf16/fp16/fp32, this rank's vocabulary
-            columns; never mutated.
-        target: (...) integer global token ids; `ignore_index` rows give 0 everywhere.
-        tp_group: the tensor-parallel process group the vocabulary is split over;
-            None means this tensor holds the whole vocabulary.
-        vocab_start: global id of this shard's first column; default rank * V_local.
+            columns; never mutated. Columns may be strided (e.g. `logits[:, :-1]`).
+        target: (...) signed integer global token ids; `ignore_index` rows give 0
+            everywhere.
+        tp_group: the tensor-parallel process group the vocabulary is split over (or any
+            object with rank() and size() methods); None means this tensor holds the
+            whole vocabulary.
+        vocab_start: global id of this shard's first column; default rank * V_local,
+            which only holds for shards of equal width (uneven shards are detected).
         vocab_size: the real vocabulary; columns >= vocab_size are padding and never
             take part. Default: no padding (the end of the last shard).
-        temperature: a float, or a tensor shaped like target (one per row); rounded to
-            fp32, then y = fp32(x) / tau by IEEE division.
+        temperature: a float, or a tensor shaped like target (one per row, not
+            differentiated); rounded to fp32, then y = fp32(x) / tau by IEEE division.
         keep_mask: (..., V_local) bool; False columns are dropped (top-k / top-p).
         with_entropy: also return the entropy of softmax(y).
-        validate: raise ValueError naming the first bad row (one host sync). With
-            False, a bad row gives NaN in that row only and nothing is synced.
+        validate: True: raise ValueError naming the first bad row, and with a TP group
+            make every rank raise when the ranks' arguments disagree (one small all_gather
+            and host syncs). False: a bad row gives NaN in that row only, a disagreement
+            between ranks NaN in every output, and nothing is synced with the host.
         backend: "auto", or a name from `exactlogp.backends.backend_names()`.
+
+    Every rank of `tp_group` must call with the same rows, targets, temperatures and
+    options (docs/failure_modes.md lists what is checked and what the user sees).
+    Under torch.compile this function is a graph break: it runs eagerly, with its eager
+    bits, inside compiled code.
     """
-    # --- argument checks: shapes, dtypes and scalars only, identical on every rank ---
-    validation.check_logits(vocab_parallel_logits)
-    validation.check_target(target, vocab_parallel_logits)
-    validation.check_keep_mask(keep_mask, vocab_parallel_logits)
-    tau = validation.check_temperature(temperature, target)
-    for name, flag in (("with_entropy", with_entropy), ("validate", validate)):
-        if not isinstance(flag, bool):
-            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
-    ignore_index = validation.check_int("ignore_index", ignore_index)
-    vocab_start = validation.check_int("vocab_start", vocab_start, minimum=0)
-    vocab_size = validation.check_int("vocab_size", vocab_size, 1, contract.MAX_VOCAB)
-    if not isinstance(backend, str):
-        raise TypeError(f"backend must be a str, got {type(backend).__name__}")
+    group = distributed.resolve(tp_group)
 
-    rank, world_size = distributed.rank_and_world_size(tp_group)
-    num_cols = vocab_parallel_logits.shape[-1]
-    if vocab_start is None:
-        vocab_start = rank * num_cols
-        validation.check_vocab_extent(vocab_size, world_size * num_cols)
-    else:
-        validation.check_vocab_extent(vocab_size, vocab_start + num_cols)
-    impl = get_backend(backend, vocab_parallel_logits.device)
+    def prepare() -> _Call:
+        return _prepare_call(
+            vocab_parallel_logits, target, group, vocab_start, vocab_size, temperature,
+            keep_mask, ignore_index, with_entropy, validate, backend,
+        )  # fmt: skip
 
-    shape = tuple(target.shape)
-    opts = Options(
-        plan=ShardPlan(vocab_start, vocab_size, ignore_index, with_entropy),
-        tp_group=tp_group,
-        world_size=world_size,
-        validate=validate,
-        backend=impl,
-        target_shape=shape,
-    )
-    num_rows = target.numel()
-    logprobs, entropy, lse = SelectedLogprobsFunction.apply(
-        vocab_parallel_logits.reshape(num_rows, num_cols),
-        target.reshape(-1).to(torch.int64),
-        tau if isinstance(tau, torch.Tensor) else None,
-        None if keep_mask is None else keep_mask.reshape(num_rows, num_cols),
-        tau if not isinstance(tau, torch.Tensor) else 1.0,
-        opts,
-    )
+    with distributed.serialized(group):
+        device = _device_of(vocab_parallel_logits, group)
+        call = agreement.checked(group, validate, device, prepare)
+        num_rows, num_cols = call.num_rows, call.num_cols
+        logprobs, entropy, lse = SelectedLogprobsFunction.apply(
+            vocab_parallel_logits.reshape(num_rows, num_cols),
+            target.reshape(-1).to(torch.int64),
+            call.temperature if isinstance(call.temperature, torch.Tensor) else None,
+            None if keep_mask is None else keep_mask.reshape(num_rows, num_cols),
+            call.temperature if not isinstance(call.temperature, torch.Tensor) else 1.0,
+            call.options,
+        )
+    shape = call.options.target_shape
     return LogprobResult(
         logprobs.view(shape),
         entropy.view(shape) if with_entropy else None,
         lse.view(shape),
     )
+
+
+@dataclass(frozen=True)
+class _Call:
+    """A call whose arguments passed this rank's checks."""
+
+    options: Options
+    fields: agreement.CallFields
+    layout: agreement.Layout
+    temperature: float | torch.Tensor  # fp32-rounded float, or (N,) fp32
+    num_rows: int
+    num_cols: int
+
+
+def _device_of(logits, group: distributed.Group) -> torch.device:
+    if isinstance(logits, torch.Tensor):
+        return logits.device
+    return distributed.collective_device(group)
+
+
+def _prepare_call(
+    logits, target, group: distributed.Group, vocab_start, vocab_size, temperature, keep_mask,
+    ignore_index, with_entropy, validate, backend, kind: int = agreement.KIND_LOGITS,
+    extra_fields: dict | None = None,
+) -> _Call:  # fmt: skip
+    """This rank's argument checks, in the order a user fixes them."""
+    validation.check_logits(logits)
+    validation.check_target(target, logits)
+    validation.check_keep_mask(keep_mask, logits)
+    tau = validation.check_temperature(temperature, target)
+    with_entropy = validation.check_bool("with_entropy", with_entropy)
+    validate = validation.check_bool("validate", validate)
+    ignore_index = validation.check_int("ignore_index", ignore_index)
+    vocab_start = validation.check_int("vocab_start", vocab_start, 0, validation.MAX_COLUMN)
+    vocab_size = validation.check_int("vocab_size", vocab_size, 1, contract.MAX_VOCAB)
+    if not isinstance(backend, str):
+        raise TypeError(f"backend must be a str, got {type(backend).__name__}")
+    num_cols = logits.shape[-1]
+    start, given = validation.check_shard(num_cols, vocab_start, vocab_size, group.rank, group.size)
+    impl = get_backend(backend, logits.device)
+
+    shape = tuple(target.shape)
+    fields = agreement.CallFields(
+        kind=kind,
+        contract=agreement.contract_key(contract.CONTRACT),
+        rows=target.numel(),
+        vocab_size=-1 if vocab_size is None else vocab_size,
+        with_entropy=int(with_entropy),
+        ignore_index=ignore_index,
+        keep_mask=int(keep_mask is not None),
+        temperature=-1 if isinstance(tau, torch.Tensor) else agreement.fp32_bits(tau),
+        validate=int(validate),
+        **(extra_fields or {}),
+    )
+    layout = agreement.Layout(start, num_cols, given)
+    options = Options(
+        plan=ShardPlan(start, vocab_size, ignore_index, with_entropy),
+        group=group,
+        layout=layout,
+        call_key=fields.key(),
+        validate=validate,
+        backend=impl,
+        target_shape=shape,
+        num_cols=num_cols,
+    )
+    return _Call(options, fields, layout, tau, target.numel(), num_cols)
 
 
 class SelectedLogprobs(torch.nn.Module):

@@ -1,6 +1,6 @@
 """One autograd.Function for every backend: the forward pipeline and its backward.
 
-logits shard --backend.row_max--> (N,) fp32 --all_reduce(MAX)--> M
+logits shard --backend.row_max--> (N,) fp32 --all_reduce(MAX) with the agreement fields--> M
 logits shard --backend.partials(M)--> (N, 8) int64 --all_reduce(SUM)--> record
 record --backend.finalize (= contract.finalize)--> logprobs, entropy, lse + row stats
 backward: backend.grad(logits, stats) -- elementwise, no collective
@@ -8,23 +8,25 @@ backward: backend.grad(logits, stats) -- elementwise, no collective
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 
-from . import contract, distributed, validation
+from . import agreement, contract, distributed, validation
 from .backends import Backend, ShardPlan
-from .contract import GradStats
 
 
 @dataclass(frozen=True)
 class Options:
     plan: ShardPlan
-    tp_group: object  # ProcessGroup or None
-    world_size: int
+    group: distributed.Group
+    layout: agreement.Layout
+    call_key: int  # agreement.CallFields.key() of this call
     validate: bool
     backend: Backend
     target_shape: tuple[int, ...]
+    num_cols: int
 
 
 def forward_pipeline(
@@ -34,27 +36,65 @@ def forward_pipeline(
     keep_mask: torch.Tensor | None,  # (N, V_local) bool
     opts: Options,
 ) -> tuple[torch.Tensor, contract.Finalized]:
-    plan, backend, group = opts.plan, opts.backend, opts.tp_group
-    # --- 1-2. exact global max ---
+    plan, backend, group = opts.plan, opts.backend, opts.group
+    n = logits.shape[0]
+    # --- 1-2. exact global max; the agreement fields ride along ---
     row_max = backend.row_max(logits, temperature, keep_mask, plan)
-    if logits.shape[0]:
-        distributed.all_reduce_max_(row_max, group)
+    ranks = None
+    if group.distributed:
+        payload = agreement.max_payload(
+            row_max, target, temperature, opts.call_key, group, opts.layout
+        )
+        distributed.all_reduce_max_(payload, group)
+        row_max, ranks = agreement.read_max(payload, n, group, plan.vocab_size)
     # --- 3-5. exact local record ---
     record = backend.partials(logits, target, temperature, keep_mask, row_max, plan)
     # --- 6. combine across ranks ---
-    if logits.shape[0]:
+    if n:
         distributed.all_reduce_sum_(record, group)
     # --- 7. finish ---
     bad_tau = None
     if isinstance(temperature, torch.Tensor):
         bad_tau = ~(torch.isfinite(temperature) & (temperature > 0))
-    fin = backend.finalize(row_max, record, target, plan.vocab_size, plan.ignore_index, bad_tau)
+    fin = backend.finalize(
+        row_max, record, target, plan.vocab_size, plan.ignore_index, bad_tau,
+        None if ranks is None else ranks.poison,
+    )  # fmt: skip
     if opts.validate:
-        validation.raise_for_bad_rows(
-            fin.bad, record, target, opts.target_shape, temperature,
-            plan.vocab_size, plan.ignore_index, opts.world_size,
+        ctx = validation.RowContext(
+            opts.target_shape, temperature, plan.vocab_size, plan.ignore_index,
+            group.size, opts.num_cols, ranks,
         )  # fmt: skip
+        validation.raise_for_bad_rows(fin.bad, record, target, ctx)
     return row_max, fin
+
+
+def once_differentiable(backward):
+    """Backward runs without building a graph; under create_graph=True its gradients are
+    marked so that differentiating them again raises a clear error (torch's own
+    once_differentiable only does so when the upstream gradients require grad, and else
+    hands back tensors whose misuse reads "does not require grad")."""
+
+    @functools.wraps(backward)
+    def wrapper(ctx, *grads):
+        with torch.no_grad():
+            outputs = backward(ctx, *grads)
+        if not torch.is_grad_enabled():
+            return outputs
+        marked = [i for i, g in enumerate(outputs) if isinstance(g, torch.Tensor)]
+        err = torch._C._functions.DelayedError(
+            b"exactlogp computes first derivatives only: its gradient cannot be "
+            b"differentiated again (double backward through exactlogp is not supported)",
+            len(marked),
+        )
+        flagged = err(*[outputs[i].detach().requires_grad_(True) for i in marked])
+        flagged = flagged if isinstance(flagged, tuple) else (flagged,)
+        out = list(outputs)
+        for i, g in zip(marked, flagged, strict=True):
+            out[i] = g
+        return tuple(out)
+
+    return wrapper
 
 
 class SelectedLogprobsFunction(torch.autograd.Function):
@@ -65,8 +105,8 @@ class SelectedLogprobsFunction(torch.autograd.Function):
         ctx.opts = opts
         ctx.scalar_temperature = scalar_temperature
         ctx.save_for_backward(
-            logits, target, temperature_tensor, keep_mask,
-            row_max, fin.s_hi, fin.log_s, fin.entropy64, fin.bad, fin.ignored,
+            logits, target, temperature_tensor, keep_mask, row_max,
+            fin.s_hi, fin.s_lo, fin.log_s, fin.entropy64, fin.bad, fin.ignored,
         )  # fmt: skip
         entropy = fin.entropy if opts.plan.with_entropy else fin.entropy.new_empty(0)
         if not opts.plan.with_entropy:
@@ -74,25 +114,17 @@ class SelectedLogprobsFunction(torch.autograd.Function):
         return fin.logprobs, entropy, fin.lse
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, g_logprobs, g_entropy, g_lse):
-        (logits, target, temperature_tensor, keep_mask,
-         row_max, s_hi, log_s, entropy64, bad, ignored) = ctx.saved_tensors  # fmt: skip
+        (logits, target, temperature_tensor, keep_mask, row_max,
+         s_hi, s_lo, log_s, entropy64, bad, ignored) = ctx.saved_tensors  # fmt: skip
         opts = ctx.opts
-        temperature = ctx.scalar_temperature
-        if temperature_tensor is not None:
-            # an ignored row's temperature is never used: its gradient is +0 even if tau <= 0
-            temperature = torch.where(ignored, 1.0, temperature_tensor)
-
-        def per_row(g):
-            if g is None or g.numel() == 0:
-                return torch.zeros_like(s_hi)
-            return torch.where(ignored, 0.0, g.to(torch.float64))
-
-        g_lp, g_lse = per_row(g_logprobs), per_row(g_lse)
-        g_ent = per_row(g_entropy if opts.plan.with_entropy else None)
-        stats = GradStats(
-            row_max=row_max, s_hi=s_hi, log_s=log_s, entropy64=entropy64,
-            coef_a=g_lse - g_lp, coef_b=g_ent, coef_t=g_lp, row_nan=bad != 0,
-        )  # fmt: skip
+        rows = contract.RowStats(s_hi, s_lo, log_s, entropy64, bad, ignored)
+        g_entropy = g_entropy if opts.plan.with_entropy else None
+        stats = contract.grad_stats(row_max, rows, g_logprobs, g_entropy, g_lse)
+        temperature = contract.grad_temperature(
+            stats,
+            ctx.scalar_temperature if temperature_tensor is None else temperature_tensor,
+        )
         grad = opts.backend.grad(logits, target, temperature, keep_mask, stats, opts.plan)
         return grad, None, None, None, None, None

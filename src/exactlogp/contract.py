@@ -1,4 +1,4 @@
-"""Contract exactlogp-v1: the numeric specification, written as plain torch.
+"""Contract exactlogp-v2: the numeric specification, written as plain torch.
 
 Every backend must reproduce these bits; this module is the definition. Stages:
 
@@ -6,9 +6,11 @@ Every backend must reproduce these bits; this module is the definition. Stages:
   2. M = max of valid y over the whole row    exact; one all_reduce(MAX) across ranks
   3. e = exp_c(y - M) for y - M >= -64        binary64 + - * and exact 2^n scaling only
   4. Q(e), Q(e * (M - y)): two int64 limbs    exact fixed point on a 2^-84 grid
-  5. int64 sums per row                       exact in any order
+  5. int64 sums per row (the partials pass)   exact in any order
   6. one all_reduce(SUM) of int64 [N, 8]      exact under any collective algorithm
   7. finalize: S, log S, outputs in fp64      rounded once to fp32
+
+Stages 3-5 are "the partials pass"; its per-row result is "the record".
 
 Each elementwise step is a single correctly rounded IEEE operation or exact, so the
 result does not depend on the order of anything: see docs/numerics.md.
@@ -21,7 +23,7 @@ from typing import NamedTuple
 
 import torch
 
-CONTRACT = "exactlogp-v1"
+CONTRACT = "exactlogp-v2"
 
 # --- constants (docs/numerics.md pins and derives each one) ---
 
@@ -82,6 +84,7 @@ BAD_TARGET_MASKED = 4
 BAD_NONFINITE = 8
 BAD_NO_VALID_COLUMN = 16
 BAD_TEMPERATURE = 32
+BAD_RANKS = 64  # the ranks of the TP group disagree (a per-row value, or the call itself)
 
 
 # --- 1. upcast and temperature ---
@@ -141,7 +144,8 @@ def _pow2(n: torch.Tensor) -> torch.Tensor:
 _tables: dict[torch.device, torch.Tensor] = {}
 
 
-def _exp2_table(device: torch.device) -> torch.Tensor:
+def exp2_table(device: torch.device) -> torch.Tensor:
+    """EXP2_TABLE as an fp64 tensor on `device` (kernels that take it as an argument too)."""
     if device not in _tables:  # one host-to-device copy per device, not one per call
         _tables[device] = torch.tensor(EXP2_TABLE, dtype=torch.float64, device=device)
     return _tables[device]
@@ -156,7 +160,7 @@ def exp_c(d: torch.Tensor) -> torch.Tensor:
     p = torch.full_like(r, EXP_POLY[0])
     for c in EXP_POLY[1:]:
         p = p * r + c  # Horner; torch never fuses this into an FMA
-    return (_exp2_table(d.device)[k & 31] * p) * _pow2(k >> 5)
+    return (exp2_table(d.device)[k & 31] * p) * _pow2(k >> 5)
 
 
 # --- 4. quantize ---
@@ -171,10 +175,33 @@ def quantize(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return hi, lo
 
 
-# --- 3-5. the local pass over one block of rows ---
+# --- which shard holds a target ---
 
 
-def local_partials(
+def owned_target_columns(
+    target: torch.Tensor,  # (N,) int64 global ids
+    vocab_start: int,
+    num_cols: int,
+    vocab_size: int | None,
+    ignore_index: int,
+) -> torch.Tensor:
+    """(N,) int64: the target's local column where this shard holds it, else -1.
+
+    The one ownership rule: a shard holds a target when the row is not ignored and the
+    target is one of its real columns (vocab_start <= target < vocab_start + num_cols,
+    and target < vocab_size).
+    """
+    local = target - vocab_start
+    owned = (target != ignore_index) & (local >= 0) & (local < num_cols)
+    if vocab_size is not None:
+        owned &= target < vocab_size
+    return torch.where(owned, local, torch.full_like(local, -1))
+
+
+# --- 3-5. the partials pass over one block of rows ---
+
+
+def partials(
     y: torch.Tensor,  # (n, V_local) fp32, already scaled
     valid: torch.Tensor,  # (n or 1, V_local) bool
     row_max: torch.Tensor,  # (n,) fp32, global
@@ -204,11 +231,9 @@ def local_partials(
     nonfinite = valid & (torch.isnan(y) | (y == float("inf")))
     out[:, COL_NONFINITE] = nonfinite.sum(-1)
 
-    local_t = target - vocab_start
-    owner = (target != ignore_index) & (local_t >= 0) & (local_t < num_cols)
-    if vocab_size is not None:
-        owner &= target < vocab_size
-    idx = torch.where(owner, local_t, torch.zeros_like(local_t)).unsqueeze(-1)
+    local_t = owned_target_columns(target, vocab_start, num_cols, vocab_size, ignore_index)
+    owner = local_t >= 0
+    idx = local_t.clamp(min=0).unsqueeze(-1)
     if num_cols > 0:
         y_t = y.gather(-1, idx).squeeze(-1)
         bits = y_t.view(torch.int32).to(torch.int64)
@@ -256,14 +281,26 @@ def log_c(sh: torch.Tensor, sl: torch.Tensor) -> torch.Tensor:
     return k * LN2_HI + (s2 + (s2 * (poly * z) + tail))
 
 
+class RowStats(NamedTuple):
+    """The per-row statistics backward needs from forward (fields of Finalized)."""
+
+    s_hi: torch.Tensor
+    s_lo: torch.Tensor
+    log_s: torch.Tensor
+    entropy64: torch.Tensor
+    bad: torch.Tensor
+    ignored: torch.Tensor
+
+
 class Finalized(NamedTuple):
     logprobs: torch.Tensor  # (N,) fp32
     entropy: torch.Tensor  # (N,) fp32 (zeros unless entropy was accumulated)
     lse: torch.Tensor  # (N,) fp32
     s_hi: torch.Tensor  # (N,) fp64, fl(S): backward's p_j = e_j / s_hi
+    s_lo: torch.Tensor  # (N,) fp64, S - s_hi exactly: backward's 1 - p_t
     log_s: torch.Tensor  # (N,) fp64
     entropy64: torch.Tensor  # (N,) fp64, before rounding
-    bad: torch.Tensor  # (N,) int64 bit flags BAD_*, 0 for ignored rows
+    bad: torch.Tensor  # (N,) int64 bit flags BAD_*, 0 for ignored rows unless BAD_RANKS
     ignored: torch.Tensor  # (N,) bool
 
 
@@ -274,6 +311,7 @@ def finalize(
     vocab_size: int | None,
     ignore_index: int,
     bad_temperature: torch.Tensor | None,  # (N,) bool
+    ranks_disagree: torch.Tensor | None = None,  # (N,) bool, from the agreement fields
 ) -> Finalized:
     ignored = target == ignore_index
     owners = record[:, COL_OWNERS]
@@ -289,6 +327,8 @@ def finalize(
     if bad_temperature is not None:
         bad |= torch.where(bad_temperature, BAD_TEMPERATURE, 0)
     bad = torch.where(ignored, 0, bad)
+    if ranks_disagree is not None:  # poisons ignored rows too: nothing of the call holds
+        bad |= torch.where(ranks_disagree, BAD_RANKS, 0)
 
     # Bad and ignored rows may have S = 0; give them S = 1 so log_c stays in its domain
     # (their outputs are replaced below, their gradients are NaN or zero).
@@ -309,14 +349,15 @@ def finalize(
     zero = torch.zeros((), dtype=torch.float64, device=log_s.device)
 
     def _finish(v: torch.Tensor) -> torch.Tensor:
-        v = torch.where(bad != 0, nan, v)
-        return torch.where(ignored, zero, v).to(torch.float32)
+        v = torch.where(ignored, zero, v)
+        return torch.where(bad != 0, nan, v).to(torch.float32)
 
     return Finalized(
         logprobs=_finish(logprob64),
         entropy=_finish(entropy64),
         lse=_finish(lse64),
         s_hi=sh,
+        s_lo=sl,
         log_s=log_s,
         entropy64=entropy64,
         bad=bad,
@@ -332,46 +373,92 @@ class GradStats(NamedTuple):
 
     row_max: torch.Tensor  # fp32
     s_hi: torch.Tensor  # fp64, fl(S)
+    s_lo: torch.Tensor  # fp64, S - s_hi
     log_s: torch.Tensor  # fp64
     entropy64: torch.Tensor  # fp64
-    coef_a: torch.Tensor  # fp64, g_lse - g_logprob; 0 on ignored rows
-    coef_b: torch.Tensor  # fp64, g_entropy; 0 on ignored rows
-    coef_t: torch.Tensor  # fp64, g_logprob, added at the target column; 0 on ignored rows
+    coef_a: torch.Tensor  # fp64, g_lse - g_logprob; 0 on rows without a gradient
+    coef_b: torch.Tensor  # fp64, g_entropy; 0 on rows without a gradient
+    coef_t: torch.Tensor  # fp64, g_logprob; 0 on rows without a gradient
+    coef_l: torch.Tensor  # fp64, g_lse; 0 on rows without a gradient
     row_nan: torch.Tensor  # bool, rows whose gradient is NaN in every column
+    silent: torch.Tensor  # bool, rows without a gradient: +0 in every column
 
     def rows(self, index: slice) -> GradStats:
         return GradStats(*(t[index] for t in self))
+
+
+def grad_stats(
+    row_max: torch.Tensor,  # (N,) fp32
+    fin,  # Finalized, or anything with its s_hi, s_lo, log_s, entropy64, bad, ignored
+    g_logprobs: torch.Tensor | None,  # (N,) upstream gradients; None: 0
+    g_entropy: torch.Tensor | None,
+    g_lse: torch.Tensor | None,
+) -> GradStats:
+    """GradStats from forward's per-row statistics and the upstream gradients.
+
+    A row without a gradient -- ignored, or all its upstream gradients 0 -- gets +0 in
+    every column; a bad row (NaN outputs) gets NaN in every column only when a gradient
+    flows into it, so a NaN row that the loss masks out poisons nothing.
+    """
+
+    def per_row(g):
+        if g is None or g.numel() == 0:
+            return torch.zeros_like(fin.s_hi)
+        return torch.where(fin.ignored, 0.0, g.to(torch.float64))
+
+    g_lp, g_ent, g_l = per_row(g_logprobs), per_row(g_entropy), per_row(g_lse)
+    silent = (g_lp == 0) & (g_ent == 0) & (g_l == 0)
+    return GradStats(
+        row_max=row_max, s_hi=fin.s_hi, s_lo=fin.s_lo, log_s=fin.log_s,
+        entropy64=fin.entropy64, coef_a=g_l - g_lp, coef_b=g_ent, coef_t=g_lp, coef_l=g_l,
+        row_nan=(fin.bad != 0) & ~silent, silent=silent,
+    )  # fmt: skip
+
+
+def grad_temperature(stats: GradStats, temperature: float | torch.Tensor):
+    """The temperature backward divides by: a row without a gradient never uses its own
+    (it is taken as 1), so a per-row tau <= 0 or NaN there gives +0, not NaN."""
+    if isinstance(temperature, torch.Tensor):
+        return torch.where(stats.silent, 1.0, temperature)
+    return temperature
 
 
 def grad_block(
     y: torch.Tensor,  # (n, V_local) fp32, scaled
     valid: torch.Tensor,  # (n or 1, V_local) bool
     stats: GradStats,  # (n,) each
-    target_local: torch.Tensor,  # (n,) int64: target - vocab_start, -1 where not owned here
+    target_local: torch.Tensor,  # (n,) int64: the owned target column, -1 where not owned here
     temperature: float | torch.Tensor,  # float or (n, 1) fp32
     with_entropy: bool,
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
     """d(outputs)/dx for one block of rows, in out_dtype (via fp32).
 
-    g_j = p_j * (a - b * (log p_j + H)) with p_j = e_j / fl(S), log p_j = d_j - log S
-    (g_j = p_j * a without entropy); g_t += g_logprob at the target; g /= tau;
-    +0 where there is no term; NaN in every column of a NaN row.
+    Column j != t:  g_j = p_j * (a - b * q_j), q_j = log p_j + H  (g_j = p_j * a without
+    entropy), with p_j = e_j / fl(S) and log p_j = d_j - log S.
+    The target t:   g_t = c * (1 - p_t) + p_t * (l - b * q_t), with 1 - p_t from the exact
+    S: ((s_hi - e_t) + s_lo) / s_hi, so a near-certain token keeps full relative precision.
+    Then g /= tau; +0 where there is no term (the target keeps c * 1); NaN in every column
+    of a NaN row.
     """
     col = lambda v: v.unsqueeze(-1)  # noqa: E731
     d = y.to(torch.float64) - col(stats.row_max.to(torch.float64))
     term = valid & (d >= CUTOFF) & (d <= 0.0)
     dz = torch.where(term, d, torch.zeros_like(d))
-    p = exp_c(dz) / col(stats.s_hi)
+    e = torch.where(term, exp_c(dz), torch.zeros_like(d))
+    p = e / col(stats.s_hi)
     if with_entropy:
-        q = (dz - col(stats.log_s)) + col(stats.entropy64)
-        g = p * (col(stats.coef_a) - col(stats.coef_b) * q)
+        bq = col(stats.coef_b) * ((dz - col(stats.log_s)) + col(stats.entropy64))
+        g = p * (col(stats.coef_a) - bq)
+        g_t = p * (col(stats.coef_l) - bq)
     else:
         g = p * col(stats.coef_a)
-    g = torch.where(term, g, torch.zeros_like(g))
+        g_t = p * col(stats.coef_l)
+    g = torch.where(term, g, torch.zeros_like(g))  # +0, never -0, without a term
+    one_minus_p = ((col(stats.s_hi) - e) + col(stats.s_lo)) / col(stats.s_hi)
+    g_t = col(stats.coef_t) * one_minus_p + g_t
     cols = torch.arange(y.shape[-1], device=y.device)
-    is_t = cols.unsqueeze(0) == col(target_local)
-    g = torch.where(is_t, g + col(stats.coef_t), g)
+    g = torch.where(cols.unsqueeze(0) == col(target_local), g_t, g)
     if isinstance(temperature, torch.Tensor):
         g = g / temperature.to(torch.float64)
     elif temperature != 1.0:  # a device tensor: see scaled_logits

@@ -1,21 +1,26 @@
 """Errors that name the argument, the offending value and the first bad row.
 
-Argument checks run before any collective and depend only on shapes, dtypes and
-scalars, which every rank shares, so all ranks raise together. Data checks run after
-the int64 all_reduce on the combined record, which is identical on every rank, so a bad
-row is reported by all ranks at once instead of hanging the group.
+Argument checks run before any collective and look at this rank's arguments only; with a
+TP group, exactlogp.agreement then makes every rank raise when any rank's checks failed or
+the ranks disagree. Data checks run after the int64 all_reduce on the combined record,
+which is identical on every rank, so a bad row is reported by all ranks at once instead
+of hanging the group.
 """
 
 from __future__ import annotations
 
 import math
 import numbers
+from dataclasses import dataclass
 
 import torch
 
 from . import contract
 
 LOGIT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+# Shard starts and widths ride the fp32 all_reduce(MAX) of the agreement: exact up to 2^24.
+MAX_COLUMN = 1 << 24
 
 
 def check_logits(logits) -> None:
@@ -36,6 +41,12 @@ def check_target(target, logits: torch.Tensor) -> None:
         raise TypeError(f"target must be a torch.Tensor, got {type(target).__name__}")
     if target.dtype == torch.bool or target.is_floating_point() or target.is_complex():
         raise TypeError(f"target must hold integer token ids, got dtype {target.dtype}")
+    if not target.dtype.is_signed:
+        raise TypeError(
+            f"target must hold signed integer token ids (int64 or int32), got dtype "
+            f"{target.dtype}: unsigned ids cannot be ignore_index, and uint64 ids above "
+            "2^63 would wrap around"
+        )
     if tuple(target.shape) != tuple(logits.shape[:-1]):
         raise ValueError(
             f"target shape {tuple(target.shape)} must equal vocab_parallel_logits shape "
@@ -69,6 +80,12 @@ def check_temperature(temperature, target: torch.Tensor) -> float | torch.Tensor
                 f"target shape {tuple(target.shape)}"
             )
         _same_device("temperature", temperature, target)
+        if temperature.requires_grad and torch.is_grad_enabled():
+            raise ValueError(
+                "temperature is a tensor that requires grad, but exactlogp does not "
+                "differentiate with respect to the temperature (the gradient would be "
+                "silently missing); pass temperature.detach()"
+            )
         return temperature.to(torch.float32).expand(target.shape).reshape(-1)
     if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
         raise TypeError(
@@ -82,24 +99,65 @@ def check_temperature(temperature, target: torch.Tensor) -> float | torch.Tensor
     return tau
 
 
-def check_int(name: str, value, minimum: int | None = None, maximum: int | None = None):
+def check_int(name: str, value, minimum: int = INT64_MIN, maximum: int = INT64_MAX):
+    """`value` as an int (None stays None), within [minimum, maximum] (int64 at most)."""
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be an int or None, got {type(value).__name__}")
     value = int(value)
-    if minimum is not None and value < minimum:
+    if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    if maximum is not None and value > maximum:
+    if value > maximum:
         raise ValueError(f"{name} must be <= {maximum}, got {value}")
     return value
+
+
+def check_bool(name: str, value) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    return value
+
+
+def check_shard(
+    num_cols: int, vocab_start: int | None, vocab_size: int | None, rank: int, world: int
+) -> tuple[int, bool]:
+    """(this shard's vocab_start, whether it was given). Without a TP group the logits hold
+    the whole vocabulary, so vocab_start must be 0 and vocab_size fit in the columns; with
+    one, the agreement checks that the shards of all ranks tile the vocabulary."""
+    if num_cols > MAX_COLUMN:
+        raise ValueError(
+            f"vocab_parallel_logits has {num_cols} columns; at most 2^24 = {MAX_COLUMN} are "
+            "supported"
+        )
+    if world == 1:
+        if vocab_start not in (None, 0):
+            raise ValueError(
+                f"vocab_start={vocab_start} but there is no tensor-parallel group (tp_group "
+                "is None or has one rank), so these logits hold the whole vocabulary and "
+                "start at id 0: pass tp_group for a vocab shard, or vocab_start=None"
+            )
+        if vocab_size is not None and vocab_size > num_cols:
+            raise ValueError(
+                f"vocab_size={vocab_size} is larger than the {num_cols} columns of "
+                "vocab_parallel_logits, and there is no tensor-parallel group to hold the "
+                "rest: pass tp_group for a vocab shard, or the real vocabulary size"
+            )
+        check_vocab_extent(vocab_size, num_cols)
+        return 0, vocab_start is not None
+    if vocab_start is None:
+        check_vocab_extent(vocab_size, world * num_cols)
+        return rank * num_cols, False
+    check_vocab_extent(vocab_size, vocab_start + num_cols)
+    return vocab_start, True
 
 
 def check_vocab_extent(vocab_size: int | None, shard_end: int) -> None:
     if vocab_size is None and shard_end > contract.MAX_VOCAB:
         raise ValueError(
             f"the vocabulary ends at column {shard_end} > 2^20 = {contract.MAX_VOCAB}; "
-            "contract exactlogp-v1 supports at most 2^20 columns (int64 limb sums)"
+            f"contract {contract.CONTRACT} supports at most 2^20 columns (int64 limb sums): "
+            "pass vocab_size if the columns past it are padding"
         )
 
 
@@ -116,11 +174,7 @@ _MESSAGES = (  # flag, message; the first flag set on the first bad row is repor
         contract.BAD_TARGET_RANGE,
         "target{idx} = {t} is outside [0, vocab_size={vocab}) and is not ignore_index={ignore}",
     ),
-    (
-        contract.BAD_TARGET_OWNER,
-        "target{idx} = {t} is held by {owners} of {world} vocab shards (must be exactly "
-        "1): the shards given by vocab_start leave a gap or overlap",
-    ),
+    (contract.BAD_TARGET_OWNER, None),  # _owner_message
     (contract.BAD_TARGET_MASKED, "target{idx} = {t} is a column that keep_mask drops"),
     (
         contract.BAD_NONFINITE,
@@ -134,35 +188,87 @@ _MESSAGES = (  # flag, message; the first flag set on the first bad row is repor
 )
 
 
+@dataclass(frozen=True)
+class RowContext:
+    """What the bad-row messages need besides the flags."""
+
+    shape: tuple[int, ...]  # the caller's target shape
+    temperature: object  # float or (N,) fp32
+    vocab_size: int | None
+    ignore_index: int
+    world_size: int
+    num_cols: int  # this shard's columns (the whole vocabulary without a TP group)
+    ranks: object = None  # agreement.RankCheck, with a TP group
+
+
+def _index(row: int, shape: tuple[int, ...]) -> str:
+    idx = list(torch.unravel_index(torch.tensor(row), shape)) if shape else []
+    return "[" + ", ".join(str(int(i)) for i in idx) + "]"
+
+
+def _owner_message(idx: str, t: int, owners: int, ctx: RowContext) -> str:
+    if ctx.world_size == 1:
+        return (
+            f"target{idx} = {t} is not a column of vocab_parallel_logits, which holds the "
+            f"whole vocabulary [0, {ctx.num_cols}) (there is no tensor-parallel group)"
+        )
+    if owners == 0:
+        return (
+            f"target{idx} = {t} is held by none of the {ctx.world_size} vocab shards: it is "
+            "past the end of the last shard"
+        )
+    return (
+        f"target{idx} = {t} is held by {owners} of {ctx.world_size} vocab shards (must be "
+        "exactly 1): the shards overlap"
+    )
+
+
+def _ranks_message(row: int, ctx: RowContext) -> str:
+    """A disagreement found in the all_reduce(MAX): the first row that differs, if any."""
+    check = ctx.ranks
+    rows = torch.nonzero(check.rows).flatten()
+    if len(rows):
+        r = int(rows[0])
+        hi, lo = int(check.target_max[r]), int(check.target_min[r])
+        what = (
+            f"target{_index(r, ctx.shape)} is {hi} on some ranks and {lo} on others"
+            if hi != lo
+            else f"the temperature of row{_index(r, ctx.shape)} differs"
+        )
+        return (
+            f"the ranks of tp_group disagree on {what}: every rank must pass the same rows, "
+            "targets and temperatures (are the ranks on different micro-batches?)"
+        )
+    return "the ranks of tp_group disagree on the call (its options or the vocab shards)"
+
+
 def raise_for_bad_rows(
     bad: torch.Tensor,  # (N,) int64 flags
     record: torch.Tensor,  # (N, NUM_COLS) int64
     target: torch.Tensor,  # (N,)
-    shape: tuple[int, ...],  # the caller's target shape
-    temperature,
-    vocab_size: int | None,
-    ignore_index: int,
-    world_size: int,
+    ctx: RowContext,
 ) -> None:
     if not bool((bad != 0).any()):  # the one host sync of validation
         return
     rows = torch.nonzero(bad).flatten()
     row = int(rows[0])
     flags = int(bad[row])
-    idx = list(torch.unravel_index(torch.tensor(row), shape)) if shape else []
+    if flags & contract.BAD_RANKS:  # poisons every row: nothing else of the call holds
+        raise ValueError(_ranks_message(row, ctx))
+    idx = _index(row, ctx.shape)
+    t, owners = int(target[row]), int(record[row, contract.COL_OWNERS])
+    tau = ctx.temperature
     fields = dict(
-        idx="[" + ", ".join(str(int(i)) for i in idx) + "]",
-        t=int(target[row]),
-        tau=float(temperature[row]) if isinstance(temperature, torch.Tensor) else temperature,
-        vocab="end of the last shard" if vocab_size is None else vocab_size,
-        ignore=ignore_index,
-        owners=int(record[row, contract.COL_OWNERS]),
-        world=world_size,
+        idx=idx,
+        t=t,
+        tau=float(tau[row]) if isinstance(tau, torch.Tensor) else tau,
+        vocab="end of the last shard" if ctx.vocab_size is None else ctx.vocab_size,
+        ignore=ctx.ignore_index,
         nonfinite=int(record[row, contract.COL_NONFINITE]),
     )
     for flag, message in _MESSAGES:
         if flags & flag:
-            text = message.format(**fields)
+            text = message.format(**fields) if message else _owner_message(idx, t, owners, ctx)
             break
     more = len(rows) - 1
     if more:

@@ -1,4 +1,4 @@
-"""What every backend implements: the three local passes of contract v1.
+"""What every backend implements: the three local passes of the contract.
 
 A backend never calls a collective; it turns one shard of logits into the per-row max,
 the int64 row record and, in backward, the gradient shard, and may fuse stage 7 (finalize
@@ -23,6 +23,12 @@ class ShardPlan:
     ignore_index: int
     with_entropy: bool
 
+    def target_columns(self, target: torch.Tensor, num_cols: int) -> torch.Tensor:
+        """(N,) int64, contiguous: contract.owned_target_columns of this shard."""
+        return contract.owned_target_columns(
+            target.to(torch.int64), self.vocab_start, num_cols, self.vocab_size, self.ignore_index
+        ).contiguous()
+
 
 class Backend:
     """Interface; `logits` is (N, V_local), `target` (N,) int64 with global ids,
@@ -41,9 +47,14 @@ class Backend:
         """(N, contract.NUM_COLS) int64: this shard's exact row record."""
         raise NotImplementedError
 
-    def finalize(self, row_max, record, target, vocab_size, ignore_index, bad_temperature):
+    def finalize(
+        self, row_max, record, target, vocab_size, ignore_index, bad_temperature,
+        ranks_disagree=None,
+    ):  # fmt: skip
         """Stage 7 on the combined record; a backend may fuse it, with the same bits."""
-        return contract.finalize(row_max, record, target, vocab_size, ignore_index, bad_temperature)
+        return contract.finalize(
+            row_max, record, target, vocab_size, ignore_index, bad_temperature, ranks_disagree
+        )
 
     def grad(self, logits, target, temperature, keep_mask, stats: GradStats, plan) -> torch.Tensor:
         """(N, V_local) in logits.dtype: the gradient shard."""

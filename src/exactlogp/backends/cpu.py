@@ -20,7 +20,6 @@ from .. import contract
 from ..contract import GradStats
 from . import cpu_build
 from .base import Backend, ShardPlan
-from .reference import owned_target_columns
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 # Below this many logits per thread, starting a thread costs more than it saves.
@@ -49,7 +48,9 @@ class _Shard(ctypes.Structure):  # elp_shard in the C source
     ]
 
 
-_GRAD_FIELDS = ("row_max", "s_hi", "log_s", "entropy64", "coef_a", "coef_b", "coef_t")
+_GRAD_FIELDS = (
+    "row_max", "s_hi", "s_lo", "log_s", "entropy64", "coef_a", "coef_b", "coef_t", "coef_l",
+)  # fmt: skip
 
 
 class _GradStats(ctypes.Structure):  # elp_grad_stats in the C source
@@ -74,11 +75,6 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
 def _unit_column_stride(t: torch.Tensor) -> torch.Tensor:
     """t itself when its columns are adjacent (any row stride), else a contiguous copy."""
     return t if t.shape[-1] <= 1 or t.stride(-1) == 1 else t.contiguous()
-
-
-def _target_columns(target: torch.Tensor, num_cols: int, plan: ShardPlan) -> torch.Tensor:
-    """(N,) int64, contiguous: the owned local target column, -1 elsewhere."""
-    return owned_target_columns(target.to(torch.int64), num_cols, plan).contiguous()
 
 
 def _f32(t: torch.Tensor) -> torch.Tensor:
@@ -179,7 +175,7 @@ class CpuBackend(Backend):
     def partials(self, logits, target, temperature, keep_mask, row_max, plan):
         record = torch.empty(logits.shape[0], contract.NUM_COLS, dtype=torch.int64)
         shard, _alive = self._shard(logits, temperature, keep_mask, plan, "partials")
-        target_col = _target_columns(target, logits.shape[-1], plan)
+        target_col = plan.target_columns(target, logits.shape[-1])
         m = _f32(row_max)
         status = self._lib.elp_partials(
             ctypes.byref(shard), m.data_ptr(), target_col.data_ptr(),
@@ -194,7 +190,7 @@ class CpuBackend(Backend):
         arrays = {"row_max": _f32(stats.row_max)}
         arrays.update({name: _f64(getattr(stats, name)) for name in _GRAD_FIELDS[1:]})
         arrays["row_nan"] = stats.row_nan.to(torch.bool).contiguous().view(torch.uint8)
-        arrays["target_col"] = _target_columns(target, logits.shape[-1], plan)
+        arrays["target_col"] = plan.target_columns(target, logits.shape[-1])
         c_stats = _GradStats(**{name: t.data_ptr() for name, t in arrays.items()})
         status = self._lib.elp_grad(
             ctypes.byref(shard), ctypes.byref(c_stats), int(plan.with_entropy), out.data_ptr()

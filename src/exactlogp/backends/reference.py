@@ -51,7 +51,7 @@ class ReferenceBackend(Backend):
         )
         for rows in _row_blocks(*logits.shape):
             y, valid, mask, _ = _block_inputs(logits, temperature, keep_mask, plan, rows)
-            out[rows] = contract.local_partials(
+            out[rows] = contract.partials(
                 y, valid, row_max[rows], target[rows], mask,
                 plan.vocab_start, plan.vocab_size, plan.ignore_index, plan.with_entropy,
             )  # fmt: skip
@@ -59,19 +59,10 @@ class ReferenceBackend(Backend):
 
     def grad(self, logits, target, temperature, keep_mask, stats: GradStats, plan):
         out = torch.empty_like(logits, memory_format=torch.contiguous_format)
-        target_local = owned_target_columns(target, logits.shape[-1], plan)
+        target_local = plan.target_columns(target, logits.shape[-1])
         for rows in _row_blocks(*logits.shape):
             y, valid, _, tau = _block_inputs(logits, temperature, keep_mask, plan, rows)
             out[rows] = contract.grad_block(
                 y, valid, stats.rows(rows), target_local[rows], tau, plan.with_entropy, logits.dtype
             )
         return out
-
-
-def owned_target_columns(target: torch.Tensor, num_cols: int, plan: ShardPlan) -> torch.Tensor:
-    """(N,) int64 local column of the target where this shard owns it, else -1."""
-    local = target - plan.vocab_start
-    owned = (target != plan.ignore_index) & (local >= 0) & (local < num_cols)
-    if plan.vocab_size is not None:
-        owned &= target < plan.vocab_size
-    return torch.where(owned, local, torch.full_like(local, -1))

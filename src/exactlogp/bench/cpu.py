@@ -203,10 +203,7 @@ def profile(args) -> dict:
     row_max = cpu.row_max(x, 1.0, None, plan)
     record = cpu.partials(x, target, 1.0, None, row_max, plan)
     fin = contract.finalize(row_max, record, target, None, -100, None)
-    one = torch.ones_like(fin.s_hi)
-    stats = contract.GradStats(
-        row_max, fin.s_hi, fin.log_s, fin.entropy64, -one, 0 * one, one, fin.bad != 0
-    )
+    stats = contract.grad_stats(row_max, fin, -torch.ones_like(fin.s_hi), None, None)
     mapped = torch.empty_like(x).fill_(0)
     stages = {
         "row_max pass": lambda: cpu.row_max(x, 1.0, None, plan),

@@ -8,7 +8,7 @@ bits for every TP degree and is correctly rounded; the gradient is softmax - one
 
 Differences, all deliberate: `target == ignore_index` (-100) gives loss 0 and gradient 0;
 an out-of-range target raises instead of giving log-sum-exp; `label_smoothing != 0` raises
-(its mean over the vocabulary is not part of contract exactlogp-v1); the input is never
+(its mean over the vocabulary is not part of the contract); the input is never
 modified in place. `vocab_size` (keyword only) leaves Megatron's padding columns out;
 Megatron itself includes them.
 
@@ -166,7 +166,7 @@ def _check_label_smoothing(label_smoothing) -> None:
     if label_smoothing != 0.0:
         raise ValueError(
             f"label_smoothing={label_smoothing!r} is not supported: the smoothed loss needs "
-            "the mean log-probability over the vocabulary, which contract exactlogp-v1 "
+            "the mean log-probability over the vocabulary, which the contract "
             "does not compute; use 0.0 or megatron-core's own function"
         )
 

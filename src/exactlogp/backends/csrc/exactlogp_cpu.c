@@ -1,4 +1,4 @@
-/* Fused CPU kernels for contract exactlogp-v1: row max, exact row record, gradient.
+/* Fused CPU kernels for the contract (exactlogp.CONTRACT): row max, exact row record, gradient.
  *
  * Every element goes through exactly the IEEE operations of exactlogp/contract.py, in the
  * same order, so the results are bitwise those of the torch reference:
@@ -7,7 +7,8 @@
  *   3. e = exp_c(y - M)         binary64 + - * only: Cody-Waite, table, Horner, 2^n from bits
  *   4. (hi, lo) = Q(e), Q(w)    floor and magic-number rint, both exact
  *   5. limb sums                integer-valued doubles summed exactly (< 2^53), then int64
- *   backward                    p = e / fl(S), the formula of contract.grad_block, / tau,
+ *   backward                    p = e / fl(S), the formulas of contract.grad_block (one for
+ *                               the target column, one for the others), / tau,
  *                               fp64 -> fp32 -> dtype, each a round to nearest even
  *
  * Built with -ffp-contract=off and without -ffast-math: no FMA, no reassociation. The
@@ -62,7 +63,7 @@ typedef struct {
 /* Per-row statistics of backward, all [n_rows] (contract.GradStats plus the target). */
 typedef struct {
     const float *row_max;
-    const double *s_hi, *log_s, *entropy64, *coef_a, *coef_b, *coef_t;
+    const double *s_hi, *s_lo, *log_s, *entropy64, *coef_a, *coef_b, *coef_t, *coef_l;
     const uint8_t *row_nan;
     const int64_t *target_col; /* local column of the target, -1 where not owned */
 } elp_grad_stats;
@@ -273,7 +274,7 @@ ELP_INLINE void term_exps(const v8f y8[V8], const v8i valid8[V8], v4d m, v4d e[V
     for (int i = 0; i < V4; ++i) e[i] = and4(term[i], e[i]);
 }
 
-/* Add LANES columns to the row sums (contract.local_partials). */
+/* Add LANES columns to the row sums (contract.partials). */
 ELP_INLINE void partials_step(const v8f y8[V8], const v8i valid8[V8], v4d m, row_sums *s,
                               const int entropy) {
     v4d dz[V4], e[V4];
@@ -288,31 +289,49 @@ ELP_INLINE void partials_step(const v8f y8[V8], const v8i valid8[V8], v4d m, row
 }
 
 typedef struct {
-    v4d m, s_hi, log_s, h, a, b, t, tau;
-    v4l target; /* local target column, -1 if not here */
+    v4d m, s_hi, s_lo, log_s, h, a, b, c, l, tau;
     int divide;
 } grad_row;
 
-/* LANES gradients from column j on, in fp32 (contract.grad_block before the NaN rows and
-   the cast to dtype). */
-ELP_INLINE void grad_step(const v8f y8[V8], const v8i valid8[V8], int64_t j, const grad_row *g,
+/* LANES gradients of columns that are not the target, in fp32 (contract.grad_block before
+   the NaN rows and the cast to dtype): p * (a - b q), or p * a; +0 without a term. */
+ELP_INLINE void grad_step(const v8f y8[V8], const v8i valid8[V8], const grad_row *g,
                           const int entropy, v8f out8[V8]) {
-    v4d y[V4], dz[V4], e[V4], out[V4];
-    v4l valid[V4], term[V4];
-    widen(y8, valid8, y, valid);
-    terms(y, valid, g->m, term, dz);
-    exp_c(dz, e);
+    v4d dz[V4], e[V4], out[V4];
+    term_exps(y8, valid8, g->m, e, dz);
     for (int i = 0; i < V4; ++i) {
         v4d p = e[i] / g->s_hi;
         if (entropy) {
-            v4d q = (dz[i] - g->log_s) + g->h;
-            out[i] = p * (g->a - g->b * q);
+            v4d bq = g->b * ((dz[i] - g->log_s) + g->h);
+            out[i] = p * (g->a - bq);
         } else {
             out[i] = p * g->a;
         }
-        out[i] = and4(term[i], out[i]);
-        v4l col = (v4l){0, 1, 2, 3} + (j + 4 * i);
-        out[i] = select4(col == g->target, out[i] + g->t, out[i]);
+        /* +0 without a term: term_exps leaves e = +0 exactly there, and a term's e is
+           at least exp(CUTOFF) > 0 */
+        out[i] = and4((v4l)(e[i] > 0.0), out[i]);
+        if (g->divide) out[i] = out[i] / g->tau;
+    }
+    for (int q = 0; q < V8; ++q) out8[q] = narrow(out[2 * q], out[2 * q + 1]);
+}
+
+/* The target column's gradient (lane 0 of a step loaded at the target): c (1 - p_t) +
+   p_t (l - b q_t), with 1 - p_t = ((s_hi - e_t) + s_lo) / s_hi from the exact S. */
+ELP_INLINE void target_step(const v8f y8[V8], const v8i valid8[V8], const grad_row *g,
+                            const int entropy, v8f out8[V8]) {
+    v4d dz[V4], e[V4], out[V4];
+    term_exps(y8, valid8, g->m, e, dz);
+    for (int i = 0; i < V4; ++i) {
+        v4d p = e[i] / g->s_hi;
+        v4d one_minus_p = ((g->s_hi - e[i]) + g->s_lo) / g->s_hi;
+        v4d gt;
+        if (entropy) {
+            v4d bq = g->b * ((dz[i] - g->log_s) + g->h);
+            gt = p * (g->l - bq);
+        } else {
+            gt = p * g->l;
+        }
+        out[i] = g->c * one_minus_p + gt;
         if (g->divide) out[i] = out[i] / g->tau;
     }
     for (int q = 0; q < V8; ++q) out8[q] = narrow(out[2 * q], out[2 * q + 1]);
@@ -492,17 +511,18 @@ ELP_INLINE grad_row grad_row_of(const elp_grad_stats *st, const row_view *v, int
     grad_row g;
     g.m = splat4((double)st->row_max[r]);
     g.s_hi = splat4(st->s_hi[r]);
+    g.s_lo = splat4(st->s_lo[r]);
     g.log_s = splat4(st->log_s[r]);
     g.h = splat4(st->entropy64[r]);
     g.a = splat4(st->coef_a[r]);
     g.b = splat4(st->coef_b[r]);
-    g.t = splat4(st->coef_t[r]);
+    g.c = splat4(st->coef_t[r]);
+    g.l = splat4(st->coef_l[r]);
     g.tau = splat4(v->tau64);
-    int64_t t = st->target_col[r];
-    g.target = (v4l){t, t, t, t};
     g.divide = v->divide;
     return g;
 }
+
 
 /* Store the first `count` of LANES fp32 values as `dtype`. */
 ELP_INLINE void store_step(char *p, const v8f f[V8], int64_t count, const int dtype) {
@@ -514,6 +534,16 @@ ELP_INLINE void store_step(char *p, const v8f f[V8], int64_t count, const int dt
     char buf[LANES * 4];
     for (int q = 0; q < V8; ++q) store8(buf + 8 * q * es, f[q], dtype);
     memcpy(p, buf, count * es);
+}
+
+/* The target column t (owned here) overwritten with its own formula. */
+ELP_INLINE void grad_target(const row_view *v, const grad_row *g, int64_t t, char *out,
+                            const int dtype, const int entropy) {
+    v8f y[V8], f[V8];
+    v8i valid[V8];
+    load_step(v, t, t + 1, dtype, y, valid);
+    target_step(y, valid, g, entropy, f);
+    store_step(out + t * elem_size(dtype), f, 1, dtype);
 }
 
 /* A row flagged NaN gets NaN in every column, cast like any other value. */
@@ -533,9 +563,10 @@ ELP_INLINE void grad_row_fn(const elp_shard *s, const elp_grad_stats *st, char *
         v8f y[V8], f[V8];
         v8i valid[V8];
         load_step(&v, j, n, dtype, y, valid);
-        grad_step(y, valid, j, &g, entropy, f);
+        grad_step(y, valid, &g, entropy, f);
         store_step(out + j * es, f, min64(LANES, n - j), dtype);
     }
+    if (st->target_col[r] >= 0) grad_target(&v, &g, st->target_col[r], out, dtype, entropy);
 }
 
 /* ------------------------------------------------------------------ value tables */
@@ -651,7 +682,7 @@ ELP_INLINE void grad_values(const row_view *v, const grad_row *g, const uint16_t
     v8i valid[V8];
     uint16_t bits[LANES];
     load_step(&w, 0, n, dtype, y, valid);
-    grad_step(y, valid, 0, g, entropy, f);
+    grad_step(y, valid, g, entropy, f);
     store_step((char *)bits, f, n, dtype);
     for (int64_t i = 0; i < n; ++i) slot[vals[i]] = FILLED | bits[i];
 }
@@ -713,8 +744,6 @@ ELP_INLINE void grad_row_table(const elp_shard *s, const elp_grad_stats *st, cha
                                value_scratch *sc) {
     row_view v = row_of(s, r, dtype);
     grad_row g = grad_row_of(st, &v, r);
-    grad_row g_any = g; /* columns other than the target */
-    g_any.target = (v4l){-1, -1, -1, -1};
 
     /* what padding and masked columns get: the direct loop's value of an invalid lane */
     uint16_t off;
@@ -722,27 +751,20 @@ ELP_INLINE void grad_row_table(const elp_shard *s, const elp_grad_stats *st, cha
         v8f y[V8], f[V8];
         v8i none[V8];
         for (int q = 0; q < V8; ++q) y[q] = splat8(0.0f), none[q] = (v8i){0};
-        grad_step(y, none, 0, &g_any, entropy, f);
+        grad_step(y, none, &g, entropy, f);
         store_step((char *)&off, f, 1, dtype);
     }
 
     lazy_table lt = {(const uint16_t *)v.x, (uint16_t *)out, sc, 0, 0, 0};
     if (v.keep)
-        table_columns(&lt, v.keep, off, v.n_real, &v, &g_any, dtype, entropy);
+        table_columns(&lt, v.keep, off, v.n_real, &v, &g, dtype, entropy);
     else
-        table_columns(&lt, NULL, off, v.n_real, &v, &g_any, dtype, entropy);
-    settle(&lt, &v, &g_any, dtype, entropy);
+        table_columns(&lt, NULL, off, v.n_real, &v, &g, dtype, entropy);
+    settle(&lt, &v, &g, dtype, entropy);
     for (int64_t j = v.n_real; j < v.n_cols; ++j) lt.o[j] = off;
     for (int64_t i = 0; i < lt.n_done; ++i) sc->slot[sc->done[i]] = 0; /* all-zero again */
 
-    int64_t t = st->target_col[r];
-    if (t >= 0) { /* the target column, with its own formula */
-        v8f y[V8], f[V8];
-        v8i valid[V8];
-        load_step(&v, t, t + 1, dtype, y, valid);
-        grad_step(y, valid, t, &g, entropy, f);
-        store_step(out + t * 2, f, 1, dtype);
-    }
+    if (st->target_col[r] >= 0) grad_target(&v, &g, st->target_col[r], out, dtype, entropy);
 }
 
 /* ------------------------------------------------------------------ variants */

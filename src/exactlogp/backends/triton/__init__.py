@@ -1,6 +1,6 @@
-"""The Triton backend: contract v1's three local passes and its finalize as GPU kernels.
+"""The Triton backend: the contract's three local passes and its finalize as GPU kernels.
 
-kernels.py holds the @triton.jit kernels (max pass, term pass, finalize, gradient),
+kernels.py holds the @triton.jit kernels (max pass, partials pass, finalize, gradient),
 launch.py the fixed launch configurations and the `TritonBackend` registered as
 backend="triton".
 """

@@ -1,10 +1,10 @@
-"""Triton kernels of contract exactlogp-v1: max pass, term pass, finalize and gradient.
+"""Triton kernels of the contract (exactlogp.CONTRACT): max pass, partials pass, finalize and gradient.
 
 Each kernel replays `exactlogp.contract` operation for operation, so its bits are the
 reference's on any GPU and under the Triton interpreter:
 
   max pass     y = fp32(x) / tau -> running max of the valid, finite-or--inf y
-  term pass    d = y - M (fp64) -> exp_c -> quantize -> int64 limb sums, target, counters
+  partials pass    d = y - M (fp64) -> exp_c -> quantize -> int64 limb sums, target, counters
   finalize     record -> bad flags -> S (double-double) -> log_c -> outputs, per-row stats
   gradient     d -> exp_c -> p = e / fl(S) -> g -> g / tau -> fp32 -> logits dtype
 
@@ -95,6 +95,7 @@ BAD_TARGET_MASKED: tl.constexpr = tl.constexpr(contract.BAD_TARGET_MASKED)
 BAD_NONFINITE: tl.constexpr = tl.constexpr(contract.BAD_NONFINITE)
 BAD_NO_VALID_COLUMN: tl.constexpr = tl.constexpr(contract.BAD_NO_VALID_COLUMN)
 BAD_TEMPERATURE: tl.constexpr = tl.constexpr(contract.BAD_TEMPERATURE)
+BAD_RANKS: tl.constexpr = tl.constexpr(contract.BAD_RANKS)
 
 # Bit patterns of the NaN the reference writes into a NaN row's gradient on the CPU:
 # fp64 NaN -> fp32 0x7fc00000 -> fp16 0x7e00 / bf16 0xffff (torch's vectorised conversion).
@@ -190,7 +191,8 @@ def _terms(y, valid, m64):
 
 @triton.jit
 def _owned_column(target_ptr, row, vocab_start, n_real, ignore_index):
-    """(owner, local column) of this row's target: owned when it is a real column here."""
+    """(owner, local column) of this row's target: contract.owned_target_columns
+    transcribed (real columns are those below n_real), so that no launch precedes."""
     target = tl.load(target_ptr + row)
     local = target - vocab_start
     owner = (target != ignore_index) & (local >= 0) & (local < n_real)
@@ -235,7 +237,7 @@ def row_max_kernel(
     tl.store(out_ptr + row64 * tl.num_programs(1) + part, tl.max(acc, axis=0))
 
 
-# --- 3-5. the term pass ---
+# --- 3-5. the partials pass ---
 
 
 @triton.jit
@@ -373,9 +375,10 @@ def _log_c(sh, sl):
 
 
 @triton.jit
-def _bad_flags(rec, rows, live, row_max, target, ignored, bad_tau_ptr, vocab_size,
-               HAS_VOCAB: tl.constexpr, HAS_BAD_TAU: tl.constexpr):  # fmt: skip
-    """contract.finalize's BAD_* flags of each row; 0 on ignored rows."""
+def _bad_flags(rec, rows, live, row_max, target, ignored, bad_tau_ptr, disagree_ptr, vocab_size,
+               HAS_VOCAB: tl.constexpr, HAS_BAD_TAU: tl.constexpr,
+               HAS_DISAGREE: tl.constexpr):  # fmt: skip
+    """contract.finalize's BAD_* flags of each row; 0 on ignored rows but BAD_RANKS."""
     out_of_range = target < 0
     if HAS_VOCAB:
         out_of_range = out_of_range | (target >= vocab_size)
@@ -390,15 +393,19 @@ def _bad_flags(rec, rows, live, row_max, target, ignored, bad_tau_ptr, vocab_siz
     if HAS_BAD_TAU:
         bad_tau = tl.load(bad_tau_ptr + rows, mask=live, other=0) != 0
         bad = bad | tl.where(bad_tau, BAD_TEMPERATURE, 0)
-    return tl.where(ignored, 0, bad)
+    bad = tl.where(ignored, 0, bad)
+    if HAS_DISAGREE:
+        disagree = tl.load(disagree_ptr + rows, mask=live, other=0) != 0
+        bad = bad | tl.where(disagree, BAD_RANKS, 0)
+    return bad
 
 
 @triton.jit
 def _store_output(out_ptr, rows, live, v, bad, ignored):
-    """fl32(v) as bits; on bad rows the reference's NaN bits, on ignored rows +0."""
+    """fl32(v) as bits; on ignored rows +0, then on bad rows the reference's NaN bits."""
     bits = v.to(tl.float32).to(tl.int32, bitcast=True)
-    bits = tl.where(bad != 0, NAN_F32, bits)
-    tl.store(out_ptr + rows, tl.where(ignored, 0, bits), mask=live)
+    bits = tl.where(ignored, 0, bits)
+    tl.store(out_ptr + rows, tl.where(bad != 0, NAN_F32, bits), mask=live)
 
 
 @triton.jit
@@ -407,10 +414,12 @@ def finalize_kernel(
     rec_ptr,  # [N, NUM_COLS] int64 record summed over all ranks, row stride stride_rec
     target_ptr,  # [N] int64 global target ids
     bad_tau_ptr,  # [N] uint8 bad per-row temperature (unused unless HAS_BAD_TAU)
+    disagree_ptr,  # [N] uint8 rows the ranks disagree on (unused unless HAS_DISAGREE)
     logprobs_ptr,  # [N] fp32, written as int32 bit patterns
     entropy_ptr,  # [N] fp32, same
     lse_ptr,  # [N] fp32, same
     s_hi_ptr,  # [N] fp64 fl(S)
+    s_lo_ptr,  # [N] fp64 S - fl(S)
     log_s_ptr,  # [N] fp64
     ent64_ptr,  # [N] fp64 entropy before rounding
     bad_ptr,  # [N] int64 BAD_* flags
@@ -421,6 +430,7 @@ def finalize_kernel(
     ignore_index,
     HAS_VOCAB: tl.constexpr,
     HAS_BAD_TAU: tl.constexpr,
+    HAS_DISAGREE: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -429,8 +439,8 @@ def finalize_kernel(
     row_max = tl.load(max_ptr + rows, mask=live, other=0.0)
     target = tl.load(target_ptr + rows, mask=live, other=0)
     ignored = target == ignore_index
-    bad = _bad_flags(rec, rows, live, row_max, target, ignored, bad_tau_ptr, vocab_size,
-                     HAS_VOCAB, HAS_BAD_TAU)  # fmt: skip
+    bad = _bad_flags(rec, rows, live, row_max, target, ignored, bad_tau_ptr, disagree_ptr,
+                     vocab_size, HAS_VOCAB, HAS_BAD_TAU, HAS_DISAGREE)  # fmt: skip
 
     # Bad and ignored rows get S = 1 so that log_c stays in its domain, as in the contract.
     skip = (bad != 0) | ignored
@@ -449,6 +459,7 @@ def finalize_kernel(
     _store_output(entropy_ptr, rows, live, entropy64, bad, ignored)
     _store_output(lse_ptr, rows, live, m64 + log_s, bad, ignored)
     tl.store(s_hi_ptr + rows, sh, mask=live)
+    tl.store(s_lo_ptr + rows, sl, mask=live)
     tl.store(log_s_ptr + rows, log_s, mask=live)
     tl.store(ent64_ptr + rows, entropy64, mask=live)
     tl.store(bad_ptr + rows, bad, mask=live)
@@ -487,11 +498,13 @@ def grad_kernel(
     table_ptr,  # [32] fp64 contract.EXP2_TABLE
     max_ptr,  # [N] fp32 global row max
     s_hi_ptr,  # [N] fp64 fl(S)
+    s_lo_ptr,  # [N] fp64 S - fl(S)
     log_s_ptr,  # [N] fp64
     ent_ptr,  # [N] fp64 entropy before rounding
-    coef_a_ptr,  # [N] fp64
-    coef_b_ptr,  # [N] fp64
-    coef_t_ptr,  # [N] fp64
+    coef_a_ptr,  # [N] fp64 g_lse - g_logprob
+    coef_b_ptr,  # [N] fp64 g_entropy
+    coef_t_ptr,  # [N] fp64 g_logprob
+    coef_l_ptr,  # [N] fp64 g_lse
     row_nan_ptr,  # [N] uint8
     out_ptr,  # [N, V_local] contiguous, written as int32 / int16 bit patterns
     stride_x,
@@ -519,17 +532,23 @@ def grad_kernel(
         IS_BF16, HAS_TAU, HAS_KEEP,
     )  # fmt: skip
     dz, term = _terms(y, valid, tl.load(max_ptr + row).to(tl.float64))
-    p = _exp_c(dz, table_ptr) / tl.load(s_hi_ptr + row)  # fp64 `/` is IEEE div.rn.f64
-    coef_a = tl.load(coef_a_ptr + row)
+    e = tl.where(term, _exp_c(dz, table_ptr), 0.0)
+    s_hi = tl.load(s_hi_ptr + row)
+    p = e / s_hi  # fp64 `/` is IEEE div.rn.f64
+    coef_l = tl.load(coef_l_ptr + row)
     if WITH_ENTROPY:
-        q = (dz - tl.load(log_s_ptr + row)) + tl.load(ent_ptr + row)
-        g = p * (coef_a - tl.load(coef_b_ptr + row) * q)
+        bq = tl.load(coef_b_ptr + row) * ((dz - tl.load(log_s_ptr + row)) + tl.load(ent_ptr + row))
+        g = p * (tl.load(coef_a_ptr + row) - bq)
+        g_t = p * (coef_l - bq)
     else:
-        g = p * coef_a
+        g = p * tl.load(coef_a_ptr + row)
+        g_t = p * coef_l
     g = tl.where(term, g, 0.0)
+    # the target column: c * (1 - p_t) + p_t * (l - b q_t), 1 - p_t from the exact S
+    one_minus_p = ((s_hi - e) + tl.load(s_lo_ptr + row)) / s_hi
+    g_t = tl.load(coef_t_ptr + row) * one_minus_p + g_t
     owner, t_col = _owned_column(target_ptr, row, vocab_start, n_real, ignore_index)
-    is_t = owner & (cols == t_col)
-    g = tl.where(is_t, g + tl.load(coef_t_ptr + row), g)
+    g = tl.where(owner & (cols == t_col), g_t, g)
     if HAS_TAU:
         g = g / tl.load(tau64_ptr + row64 * stride_tau)
     row_nan = tl.load(row_nan_ptr + row) != 0

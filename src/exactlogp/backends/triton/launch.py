@@ -35,7 +35,7 @@ class LaunchConfig:
 @dataclass(frozen=True)
 class DtypeConfigs:
     max_pass: LaunchConfig  # memory bound: wide blocks
-    term_pass: LaunchConfig  # fp64 bound: ~35 binary64 operations per logit
+    partials: LaunchConfig  # fp64 bound: ~35 binary64 operations per logit
     grad: LaunchConfig  # fp64 bound, one block of columns per program
 
 
@@ -122,15 +122,6 @@ def _unit_stride(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-_tables: dict[torch.device, torch.Tensor] = {}
-
-
-def _exp2_table(device: torch.device) -> torch.Tensor:
-    if device not in _tables:
-        _tables[device] = torch.tensor(contract.EXP2_TABLE, dtype=torch.float64, device=device)
-    return _tables[device]
-
-
 def _target_programs(device: torch.device) -> int:
     """How many programs a launch should have to fill the device (1 in the interpreter)."""
     if device.type != "cuda":
@@ -193,13 +184,13 @@ def partials(logits, target, temperature, keep_mask, row_max_, plan, cfg=None):
     n = logits.shape[0]
     if n == 0 or logits.shape[-1] == 0:
         return torch.zeros(n, contract.NUM_COLS, dtype=torch.int64, device=logits.device)
-    cfg = cfg or CONFIGS[logits.dtype].term_pass
+    cfg = cfg or CONFIGS[logits.dtype].partials
     prep = _prepare(logits, temperature, keep_mask, plan)
     parts, per_program = _programs_per_row(n, prep.n_real, cfg, logits.device)
     out = torch.empty(n, parts, contract.NUM_COLS, dtype=torch.int64, device=logits.device)
     kernels.partials_kernel[(n, parts)](
         prep.x, prep.keep, prep.tau, row_max_.to(torch.float32).contiguous(),
-        target.to(torch.int64).contiguous(), _exp2_table(logits.device), out,
+        target.to(torch.int64).contiguous(), contract.exp2_table(logits.device), out,
         prep.x.stride(0), prep.keep.stride(0), prep.stride_tau,
         prep.n_real, plan.vocab_start, plan.ignore_index, per_program,
         WITH_ENTROPY=plan.with_entropy,
@@ -222,9 +213,9 @@ def grad(logits, target, temperature, keep_mask, stats: GradStats, plan: ShardPl
     kernels.grad_kernel[grid](
         prep.x, prep.keep, prep.tau, _grad_temperature(temperature, prep),
         target.to(torch.int64).contiguous(),
-        _exp2_table(logits.device), stats.row_max.to(torch.float32).contiguous(),
-        f64(stats.s_hi), f64(stats.log_s), f64(stats.entropy64),
-        f64(stats.coef_a), f64(stats.coef_b), f64(stats.coef_t),
+        contract.exp2_table(logits.device), stats.row_max.to(torch.float32).contiguous(),
+        f64(stats.s_hi), f64(stats.s_lo), f64(stats.log_s), f64(stats.entropy64),
+        f64(stats.coef_a), f64(stats.coef_b), f64(stats.coef_t), f64(stats.coef_l),
         stats.row_nan.to(torch.uint8).contiguous(), out.view(bits_dtype),
         prep.x.stride(0), prep.keep.stride(0), prep.stride_tau,
         num_cols, prep.n_real, plan.vocab_start, plan.ignore_index,
@@ -237,7 +228,16 @@ def grad(logits, target, temperature, keep_mask, stats: GradStats, plan: ShardPl
 # --- 7. finalize ---
 
 
-def finalize(row_max, record, target, vocab_size, ignore_index, bad_temperature, block_n=None):
+def finalize(
+    row_max,
+    record,
+    target,
+    vocab_size,
+    ignore_index,
+    bad_temperature,
+    ranks_disagree=None,
+    block_n=None,
+):
     """Backend.finalize as one kernel launch with contract.finalize's bits in every field;
     besides the launch only allocations, and nothing waits on the device."""
     n, dev = target.shape[0], target.device
@@ -245,7 +245,7 @@ def finalize(row_max, record, target, vocab_size, ignore_index, bad_temperature,
     out = contract.Finalized(
         logprobs=empty(dtype=torch.float32), entropy=empty(dtype=torch.float32),
         lse=empty(dtype=torch.float32), s_hi=empty(dtype=torch.float64),
-        log_s=empty(dtype=torch.float64), entropy64=empty(dtype=torch.float64),
+        s_lo=empty(dtype=torch.float64), log_s=empty(dtype=torch.float64), entropy64=empty(dtype=torch.float64),
         bad=empty(dtype=torch.int64), ignored=empty(dtype=torch.bool),
     )  # fmt: skip
     if n == 0:
@@ -253,21 +253,24 @@ def finalize(row_max, record, target, vocab_size, ignore_index, bad_temperature,
     record = _unit_stride(record)
     has_bad_tau = bad_temperature is not None
     bad_tau = _unit_stride(bad_temperature).view(torch.uint8) if has_bad_tau else target
+    has_disagree = ranks_disagree is not None
+    disagree = _unit_stride(ranks_disagree).view(torch.uint8) if has_disagree else target
     block_n = block_n or FINALIZE_BLOCK_N
     kernels.finalize_kernel[(-(-n // block_n),)](
-        _unit_stride(row_max), record, _unit_stride(target), bad_tau,
+        _unit_stride(row_max), record, _unit_stride(target), bad_tau, disagree,
         out.logprobs.view(torch.int32), out.entropy.view(torch.int32),
-        out.lse.view(torch.int32), out.s_hi, out.log_s, out.entropy64, out.bad,
+        out.lse.view(torch.int32), out.s_hi, out.s_lo, out.log_s, out.entropy64, out.bad,
         out.ignored.view(torch.uint8),
         n, record.stride(0), vocab_size or 0, ignore_index,
-        HAS_VOCAB=vocab_size is not None, HAS_BAD_TAU=has_bad_tau, BLOCK_N=block_n,
+        HAS_VOCAB=vocab_size is not None, HAS_BAD_TAU=has_bad_tau,
+        HAS_DISAGREE=has_disagree, BLOCK_N=block_n,
         num_warps=FINALIZE_NUM_WARPS, enable_fp_fusion=False,
     )  # fmt: skip
     return out
 
 
 class TritonBackend(Backend):
-    """contract v1 on a GPU through Triton (or on CPU tensors under TRITON_INTERPRET=1)."""
+    """the contract on a GPU through Triton (or on CPU tensors under TRITON_INTERPRET=1)."""
 
     name = "triton"
 
@@ -292,8 +295,13 @@ class TritonBackend(Backend):
     def partials(self, logits, target, temperature, keep_mask, row_max_, plan):
         return partials(logits, target, temperature, keep_mask, row_max_, plan)
 
-    def finalize(self, row_max, record, target, vocab_size, ignore_index, bad_temperature):
-        return finalize(row_max, record, target, vocab_size, ignore_index, bad_temperature)
+    def finalize(
+        self, row_max, record, target, vocab_size, ignore_index, bad_temperature,
+        ranks_disagree=None,
+    ):  # fmt: skip
+        return finalize(
+            row_max, record, target, vocab_size, ignore_index, bad_temperature, ranks_disagree
+        )
 
     def grad(self, logits, target, temperature, keep_mask, stats: GradStats, plan):
         return grad(logits, target, temperature, keep_mask, stats, plan)

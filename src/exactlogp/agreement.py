@@ -1,0 +1,377 @@
+"""Fail closed across ranks: what the ranks of a TP group must agree on, and the checks.
+
+A call is only meaningful when every rank of the group runs it with the same rows, targets,
+temperatures and options, on shards that tile the vocabulary. Two checks make a
+disagreement visible on every rank at once instead of a silent wrong number, a hang or an
+abort:
+
+1. validate=True: before any collective whose size depends on the call, one all_gather
+   of a fixed-size int64 vector per rank (`agree`): its status (did this rank's argument
+   checks pass, and if not the start of its message), the call's shared fields, and its
+   shard. Every rank reads the table (one host sync) and raises the same ValueError when a
+   rank failed its checks, a field differs, or the shards overlap or leave a gap. Nothing
+   is sized by the call before this, so different row counts never reach a collective.
+2. Both modes: the per-row values ride the forward's all_reduce(MAX) as (v, -v) pairs,
+   from which every rank reads max and min (`max_payload` / `read_max`): the target and
+   the temperature's bits of every row, a 48-bit key of the call's fields, and every
+   rank's shard (as a one-hot vector each rank fills at its own index). A row whose values
+   differ, or any difference in the call or the shards, poisons every output of the call
+   on every rank with NaN (validate=False, no host sync) or raises (validate=True).
+
+Both checks cost no extra collective besides the all_gather of validate=True.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from dataclasses import astuple, dataclass, fields
+from typing import NamedTuple
+
+import torch
+
+from . import contract, distributed
+
+# --- what every rank must agree on ---
+
+KIND_LOGITS = 1  # selected_logprobs
+KIND_LINEAR = 2  # linear_selected_logprobs
+KIND_NAMES = {KIND_LOGITS: "selected_logprobs", KIND_LINEAR: "linear_selected_logprobs"}
+
+
+@dataclass(frozen=True)
+class CallFields:
+    """The arguments every rank must pass alike, as int64 values."""
+
+    kind: int = KIND_LOGITS
+    contract: int = 0  # 48-bit key of the contract version string(s)
+    rows: int = 0
+    vocab_size: int = -1  # -1: not given
+    with_entropy: int = 0
+    ignore_index: int = -100
+    keep_mask: int = 0  # 1: a keep_mask was passed
+    temperature: int = -1  # fp32 bits of a scalar temperature; -1: one per row
+    validate: int = 1
+    hidden: int = 0  # linear_selected_logprobs: H
+    hidden_dtype: int = 0  # linear_selected_logprobs: dtype code of hidden
+    logit_scale: int = 0  # linear_selected_logprobs: fp32 bits of logit_scale
+    bias: int = 0  # linear_selected_logprobs: 1 when a bias was passed
+
+    def key(self) -> int:
+        """48 bits that differ (but for a hash collision) whenever a field differs."""
+        raw = struct.pack(f"<{len(astuple(self))}q", *astuple(self))
+        return int.from_bytes(hashlib.sha256(raw).digest()[:6], "little")
+
+
+FIELD_NAMES = tuple(f.name for f in fields(CallFields))
+_DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3, torch.float64: 4}
+
+
+def dtype_code(dtype: torch.dtype) -> int:
+    return _DTYPE_CODES.get(dtype, 99)
+
+
+def fp32_bits(value: float) -> int:
+    return struct.unpack("<i", struct.pack("<f", value))[0]
+
+
+def contract_key(*versions: str) -> int:
+    return int.from_bytes(hashlib.sha256("\0".join(versions).encode()).digest()[:6], "little")
+
+
+def _show(name: str, value: int) -> str:
+    """A field's value as the user wrote it."""
+    if name == "kind":
+        return KIND_NAMES.get(value, str(value))
+    if name in ("temperature", "logit_scale"):
+        if name == "temperature" and value == -1:
+            return "a per-row tensor"
+        return _fp32_text(value)
+    if name == "vocab_size" and value == -1:
+        return "None"
+    if name in ("with_entropy", "keep_mask", "validate", "bias"):
+        return {"keep_mask": ("None", "a tensor"), "bias": ("None", "a tensor")}.get(
+            name, ("False", "True")
+        )[value]
+    if name == "hidden_dtype":
+        return next((str(d) for d, c in _DTYPE_CODES.items() if c == value), str(value))
+    if name == "contract":
+        return f"key {value:012x} (exactlogp.CONTRACT differs: another exactlogp version)"
+    return str(value)
+
+
+_FIELD_TEXT = {
+    "kind": "the function called",
+    "contract": "the contract version",
+    "rows": "the number of rows",
+    "hidden": "the hidden size",
+    "hidden_dtype": "the dtype of hidden and weight",
+}
+
+
+def _fp32_text(bits: int) -> str:
+    """The shortest decimal that rounds to this fp32 value (0.7, not 0.699999988...)."""
+    value = struct.unpack("<f", struct.pack("<i", bits))[0]
+    for digits in range(1, 10):
+        text = f"{value:.{digits}g}"
+        if struct.unpack("<f", struct.pack("<f", float(text)))[0] == value:
+            return text
+    return repr(value)  # NaN
+
+
+@dataclass(frozen=True)
+class Layout:
+    """This rank's shard: where it starts (given or rank * width) and its width."""
+
+    vocab_start: int
+    num_cols: int
+    start_given: bool
+
+
+# --- 1. the agreement all_gather (validate=True) ---
+
+
+def checked(group: distributed.Group, validate, device: torch.device, prepare):
+    """prepare() -- this rank's argument checks, returning the call -- made collective:
+    with a TP group and validate=True every rank takes part in `agree` whatever its own
+    checks found, so an error on one rank raises on all of them. Without a group (or with
+    validate=False) a failed check raises here only."""
+    try:
+        call, error = prepare(), None
+    except (TypeError, ValueError, RuntimeError) as exc:
+        call, error = None, exc
+    if group.distributed and validate is not False:
+        agree(group, call and call.fields, call and call.layout, error, device)
+    elif error is not None:
+        raise error
+    return call
+
+
+_MAGIC = contract_key("exactlogp agreement v1", contract.CONTRACT)
+_MSG_WORDS = 31
+_HEAD = 2  # magic, status
+_LAYOUT = len(FIELD_NAMES) + _HEAD
+VECTOR_LEN = _LAYOUT + 3 + 1 + _MSG_WORDS
+
+
+def _pack(call: CallFields | None, layout: Layout | None, error: BaseException | None):
+    vec = [0] * VECTOR_LEN
+    vec[0], vec[1] = _MAGIC, int(error is not None)
+    if call is not None:
+        vec[_HEAD:_LAYOUT] = astuple(call)
+    if layout is not None:
+        vec[_LAYOUT : _LAYOUT + 3] = [layout.vocab_start, layout.num_cols, int(layout.start_given)]
+    if error is not None:
+        text = f"{type(error).__name__}: {error}".encode()[: 8 * _MSG_WORDS]
+        vec[_LAYOUT + 3] = len(text)
+        words = text.ljust(8 * _MSG_WORDS, b"\0")
+        vec[_LAYOUT + 4 :] = struct.unpack(f"<{_MSG_WORDS}q", words)
+    return vec
+
+
+def _message(row: list[int]) -> str:
+    size = row[_LAYOUT + 3]
+    raw = struct.pack(f"<{_MSG_WORDS}q", *row[_LAYOUT + 4 :])[:size]
+    return raw.decode(errors="replace")
+
+
+def agree(
+    group: distributed.Group,
+    call: CallFields | None,
+    layout: Layout | None,
+    error: BaseException | None,
+    device: torch.device,
+) -> None:
+    """The validate=True agreement: raises on every rank, or returns on every rank.
+
+    `error` is this rank's own argument error (then `call` and `layout` may be None); the
+    rank still takes part, so that its peers learn of it instead of waiting."""
+    vec = torch.tensor(_pack(call, layout, error), dtype=torch.int64, device=device)
+    table = distributed.all_gather_int64(vec, group).cpu().tolist()  # the host sync
+    if error is not None:
+        raise error
+    names = _rank_names(group)
+    if any(row[0] != _MAGIC for row in table):
+        bad = [names[r] for r, row in enumerate(table) if row[0] != _MAGIC]
+        raise ValueError(
+            f"{_join(bad)} of tp_group run{'s' if len(bad) == 1 else ''} an exactlogp with "
+            f"another contract than this rank ({contract.CONTRACT}); every rank must run "
+            "the same exactlogp version"
+        )
+    failed = [r for r, row in enumerate(table) if row[1] != 0]
+    if failed:
+        detail = "; ".join(f"{names[r]}: {_message(table[r])}" for r in failed)
+        raise ValueError(
+            f"{_join([names[r] for r in failed])} of tp_group rejected "
+            f"{'its' if len(failed) == 1 else 'their'} arguments ({detail}); this rank "
+            f"({names[group.rank]}) raises too, so that no rank waits in a collective"
+        )
+    for i, name in enumerate(FIELD_NAMES):
+        values = [row[_HEAD + i] for row in table]
+        if len(set(values)) > 1:
+            per_rank = ", ".join(f"{names[r]}: {_show(name, v)}" for r, v in enumerate(values))
+            what = _FIELD_TEXT.get(name, name)
+            raise ValueError(
+                f"the ranks of tp_group disagree on {what} ({per_rank}); every rank must "
+                f"pass the same {what}"
+            )
+    starts = [row[_LAYOUT] for row in table]
+    widths = [row[_LAYOUT + 1] for row in table]
+    given = [bool(row[_LAYOUT + 2]) for row in table]
+    vocab_size = table[0][_HEAD + FIELD_NAMES.index("vocab_size")]
+    problem = layout_problem(starts, widths, given, None if vocab_size < 0 else vocab_size, names)
+    if problem:
+        raise ValueError(problem)
+
+
+def _rank_names(group: distributed.Group) -> list[str]:
+    ranks = group.global_ranks()
+    if ranks is None or ranks == list(range(group.size)):
+        return [f"rank {r}" for r in range(group.size)]
+    return [f"rank {r} (global rank {g})" for r, g in enumerate(ranks)]
+
+
+def _join(items: list[str]) -> str:
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
+
+
+def layout_problem(
+    starts: list[int],
+    widths: list[int],
+    given: list[bool],
+    vocab_size: int | None,
+    names: list[str],
+) -> str | None:
+    """What is wrong with the shards [start, start + width) of the ranks, or None when
+    their real columns (below vocab_size) tile [0, vocab end) exactly once."""
+    ends = [s + w for s, w in zip(starts, widths, strict=True)]
+    vocab_end = vocab_size if vocab_size is not None else max(ends, default=0)
+    held = sorted(
+        (s, min(e, vocab_end), r) for r, (s, e) in enumerate(zip(starts, ends, strict=True))
+        if min(e, vocab_end) > s
+    )  # fmt: skip
+    problem, covered, last = None, 0, None
+    for s, e, r in held:
+        if s > covered:
+            problem = f"no rank holds token ids [{covered}, {s})"
+        elif s < covered:
+            problem = (
+                f"{names[last]} holds [{starts[last]}, {ends[last]}) and {names[r]} holds "
+                f"[{s}, {ends[r]}): token ids [{s}, {min(covered, e)}) are held twice"
+            )
+        if problem:
+            break
+        covered, last = max(covered, e), r
+    if problem is None and covered < vocab_end:
+        problem = f"no rank holds token ids [{covered}, {vocab_end})"
+    if problem is None:
+        return None
+    text = f"the vocab shards of tp_group do not tile the vocabulary: {problem}"
+    if not all(given):
+        if len(set(widths)) > 1:
+            per_rank = ", ".join(f"{names[r]}: {w}" for r, w in enumerate(widths))
+            text += (
+                "; vocab_start was not passed, so each shard was placed at rank * V_local, "
+                f"which only holds for shards of equal width (here {per_rank} columns): "
+                "pass vocab_start on every rank"
+            )
+        else:
+            text += "; vocab_start was not passed, so each shard was placed at rank * V_local"
+    elif vocab_size is not None and vocab_end > max(ends, default=0):
+        text += f" (vocab_size={vocab_size} is larger than the columns all ranks hold)"
+    return text
+
+
+# --- 2. the values that ride the all_reduce(MAX) ---
+
+_ROW_FIELDS = 3  # target, temperature bits (high 16, low 16)
+_KEY_CHUNKS = 3  # the 48-bit call key in 16-bit pieces
+_EXACT = float(1 << 24)  # integers up to 2^24 are exact in fp32
+_constants: dict[tuple, torch.Tensor] = {}
+
+
+class RankCheck(NamedTuple):
+    """What every rank read from the reduced maxima."""
+
+    poison: torch.Tensor  # (N,) bool: every row, when anything below disagrees
+    rows: torch.Tensor  # (N,) bool: rows whose target or temperature differ between ranks
+    call: torch.Tensor  # () bool: the call fields or the shards differ or do not tile
+    target_max: torch.Tensor  # (N,) fp32: the largest and smallest target of each row
+    target_min: torch.Tensor
+
+
+def _row_values(target: torch.Tensor, temperature) -> torch.Tensor:
+    """(3, N) fp32, each value an integer exact in fp32."""
+    n, dev = target.shape[0], target.device
+    t = target.clamp(-(1 << 24), 1 << 24).to(torch.float32)
+    if isinstance(temperature, torch.Tensor):
+        bits = temperature.to(torch.float32).contiguous().view(torch.int32)
+    else:
+        bits = torch.full((n,), fp32_bits(temperature), dtype=torch.int32, device=dev)
+    return torch.stack([t, (bits >> 16).to(torch.float32), (bits & 0xFFFF).to(torch.float32)])
+
+
+def _call_values(key: int, group: distributed.Group, layout: Layout, device) -> torch.Tensor:
+    """(2 * 3 + 2 * size,) fp32: the key chunks and their negations, then this rank's start
+    and width at its own index among -1s. Built once per distinct call on each device, so
+    a GPU call copies nothing from the host after its first."""
+    cache_key = (device, key, group.rank, group.size, layout.vocab_start, layout.num_cols)
+    found = _constants.get(cache_key)
+    if found is None:
+        chunks = [float((key >> (16 * i)) & 0xFFFF) for i in range(_KEY_CHUNKS)]
+        one_hot = [-1.0] * (2 * group.size)
+        one_hot[group.rank] = float(layout.vocab_start)
+        one_hot[group.size + group.rank] = float(layout.num_cols)
+        values = chunks + [-c for c in chunks] + one_hot
+        if len(_constants) > 256:
+            _constants.clear()
+        found = _constants[cache_key] = torch.tensor(values, dtype=torch.float32, device=device)
+    return found
+
+
+def max_payload(
+    row_max: torch.Tensor,  # (N,) fp32 local maxima
+    target: torch.Tensor,  # (N,) int64
+    temperature,  # float or (N,) fp32
+    key: int,
+    group: distributed.Group,
+    layout: Layout,
+) -> torch.Tensor:
+    """The fp32 tensor the forward all_reduces with MAX: row maxima and agreement fields."""
+    rows = _row_values(target, temperature)
+    parts = [row_max.to(torch.float32), rows.reshape(-1), (-rows).reshape(-1)]
+    parts.append(_call_values(key, group, layout, row_max.device))
+    return torch.cat(parts)
+
+
+def read_max(
+    reduced: torch.Tensor, num_rows: int, group: distributed.Group, vocab_size: int | None
+) -> tuple[torch.Tensor, RankCheck]:
+    """(global row maxima, RankCheck) from the all_reduced payload; no host sync."""
+    n, k = num_rows, _ROW_FIELDS
+    row_max = reduced[:n]
+    hi = reduced[n : n + k * n].view(k, n)
+    neg = reduced[n + k * n : n + 2 * k * n].view(k, n)
+    rows = (hi != -neg).any(dim=0)  # max != min
+    rest = reduced[n + 2 * k * n :]
+    key_hi, key_neg = rest[:_KEY_CHUNKS], rest[_KEY_CHUNKS : 2 * _KEY_CHUNKS]
+    starts = rest[2 * _KEY_CHUNKS : 2 * _KEY_CHUNKS + group.size].to(torch.float64)
+    widths = rest[2 * _KEY_CHUNKS + group.size :].to(torch.float64)
+    call = (key_hi != -key_neg).any() | ~_tiles(starts, widths, vocab_size)
+    poison = (rows.any() | call).expand(n)
+    return row_max, RankCheck(poison, rows, call, hi[0], -neg[0])
+
+
+def _tiles(starts: torch.Tensor, widths: torch.Tensor, vocab_size: int | None) -> torch.Tensor:
+    """() bool on the device: the real parts of [start, start + width) tile [0, vocab end)."""
+    ends = starts + widths
+    vocab_end = ends.max() if vocab_size is None else torch.full_like(ends[0], vocab_size)
+    real_end = torch.minimum(ends, vocab_end)
+    held = (real_end > starts) & (starts >= 0)
+    width = torch.where(held, real_end - starts, torch.zeros_like(starts))
+    a_s, a_e = starts.unsqueeze(0), real_end.unsqueeze(0)
+    b_s, b_e = starts.unsqueeze(1), real_end.unsqueeze(1)
+    both = held.unsqueeze(0) & held.unsqueeze(1)
+    both &= ~torch.eye(starts.shape[0], dtype=torch.bool, device=starts.device)
+    overlap = (both & (a_s < b_e) & (b_s < a_e)).any()
+    return (width.sum() == vocab_end) & ~overlap & (starts >= 0).all()

@@ -1,0 +1,384 @@
+"""Fail closed across ranks, in real gloo worlds on 127.0.0.1.
+
+Every case runs a call that the ranks of the TP group make inconsistently; with
+validate=True every rank must raise a clear ValueError (or its own argument error) within
+seconds, never return numbers, hang or abort; with validate=False every output on every
+rank must be NaN. After each case each rank makes a correct call, which must give the TP=1
+bits: the process group is still usable. One world per size runs all its cases, so the
+process start-up is paid once.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import threading
+import time
+
+import pytest
+import torch
+
+import exactlogp
+from exactlogp import contract
+from exactlogp.testing import assert_bitwise_equal, llm_like_logits, run_gloo_world
+
+VOCAB = 507
+ROWS = 6
+FAST_S = 30.0  # "within seconds" on a loaded 2-core machine
+
+
+def make_inputs():
+    x, t = llm_like_logits(ROWS, VOCAB, torch.bfloat16, seed=31)
+    t[4] = -100
+    return x, t
+
+
+def even_shard(x, rank, world):
+    """Megatron's layout: equal widths, the last padded past VOCAB with NaN (never read)."""
+    per = -(-VOCAB // world)
+    pad = torch.full((x.shape[0], per * world - VOCAB), float("nan"), dtype=x.dtype)
+    return torch.cat([x, pad], dim=1)[:, rank * per : (rank + 1) * per]
+
+
+def good_call(rank, world, group, inputs):
+    x, t = inputs
+    res = exactlogp.selected_logprobs(
+        even_shard(x, rank, world), t, tp_group=group, vocab_size=VOCAB, with_entropy=True
+    )
+    return res.logprobs, res.entropy
+
+
+def _split(x, bounds, rank):
+    lo, hi = bounds[rank], bounds[rank + 1]
+    return x[:, lo:hi], lo
+
+
+# --- the cases: each makes one call, inconsistent across ranks ---
+
+
+def overlap(rank, world, group, inputs, validate=True):
+    x, t = inputs
+    ranges = [(0, 300), (200, VOCAB)] + [(VOCAB, VOCAB)] * (world - 2)
+    lo, hi = ranges[rank]
+    return exactlogp.selected_logprobs(
+        x[:, lo:hi], t, tp_group=group, vocab_start=lo, validate=validate
+    ).logprobs
+
+
+def gap(rank, world, group, inputs):
+    x, t = inputs
+    ranges = [(0, 200), (300, VOCAB)] + [(VOCAB, VOCAB)] * (world - 2)
+    lo, hi = ranges[rank]
+    return exactlogp.selected_logprobs(x[:, lo:hi], t, tp_group=group, vocab_start=lo).logprobs
+
+
+def uneven_default_start(rank, world, group, inputs):
+    x, t = inputs
+    bounds = [0, 300, *range(300 + 207 // (world - 1), VOCAB, 207 // (world - 1))][:world]
+    bounds.append(VOCAB)
+    shard, _ = _split(x, bounds, rank)
+    return exactlogp.selected_logprobs(shard, t, tp_group=group).logprobs
+
+
+def _even(rank, world, group, inputs, validate=True, **kw):
+    x, t = inputs
+    return exactlogp.selected_logprobs(
+        even_shard(x, rank, world), t, tp_group=group, validate=validate, **kw
+    ).logprobs
+
+
+def vocab_size_differs(rank, world, group, inputs):
+    return _even(rank, world, group, inputs, vocab_size=VOCAB if rank == 0 else VOCAB - 1)
+
+
+def temperature_differs(rank, world, group, inputs, validate=True):
+    return _even(
+        rank, world, group, inputs, validate, vocab_size=VOCAB, temperature=1.0 if rank else 0.7
+    )
+
+
+def temperature_kind_differs(rank, world, group, inputs):
+    tau = 1.0 if rank == 0 else torch.ones(ROWS)
+    return _even(rank, world, group, inputs, vocab_size=VOCAB, temperature=tau)
+
+
+def row_temperature_differs(rank, world, group, inputs, validate=True):
+    tau = torch.full((ROWS,), 0.8)
+    if rank == world - 1:
+        tau[3] = 0.9
+    return _even(rank, world, group, inputs, validate, vocab_size=VOCAB, temperature=tau)
+
+
+def with_entropy_differs(rank, world, group, inputs):
+    return _even(rank, world, group, inputs, vocab_size=VOCAB, with_entropy=rank == 1)
+
+
+def ignore_index_differs(rank, world, group, inputs):
+    return _even(rank, world, group, inputs, vocab_size=VOCAB, ignore_index=-100 if rank else -1)
+
+
+def keep_mask_differs(rank, world, group, inputs):
+    x, t = inputs
+    shard = even_shard(x, rank, world)
+    mask = torch.ones_like(shard, dtype=torch.bool) if rank == 1 else None
+    return _even(rank, world, group, inputs, vocab_size=VOCAB, keep_mask=mask)
+
+
+def contract_differs(rank, world, group, inputs):
+    before = contract.CONTRACT
+    if rank == 1:
+        contract.CONTRACT = "exactlogp-v0"  # as a rank running another exactlogp would
+    try:
+        return _even(rank, world, group, inputs, vocab_size=VOCAB)
+    finally:
+        contract.CONTRACT = before
+
+
+def rows_differ(rank, world, group, inputs):
+    x, t = inputs
+    rows = ROWS - 1 if rank == 1 else ROWS
+    return exactlogp.selected_logprobs(
+        even_shard(x, rank, world)[:rows], t[:rows], tp_group=group, vocab_size=VOCAB
+    ).logprobs
+
+
+def no_rows_on_one_rank(rank, world, group, inputs):
+    x, t = inputs
+    rows = 0 if rank == 1 else ROWS
+    return exactlogp.selected_logprobs(
+        even_shard(x, rank, world)[:rows], t[:rows], tp_group=group, vocab_size=VOCAB
+    ).logprobs
+
+
+def targets_differ(rank, world, group, inputs, validate=True):
+    x, t = inputs
+    t = t.clone()
+    if rank == world - 1:
+        t[2] = 7
+    return exactlogp.selected_logprobs(
+        even_shard(x, rank, world), t, tp_group=group, vocab_size=VOCAB, validate=validate
+    ).logprobs
+
+
+def argument_error_on_one_rank(rank, world, group, inputs):
+    x, t = inputs
+    target = t.float() if rank == 1 else t
+    return exactlogp.selected_logprobs(
+        even_shard(x, rank, world), target, tp_group=group, vocab_size=VOCAB
+    ).logprobs
+
+
+def overlap_unvalidated(rank, world, group, inputs):
+    return overlap(rank, world, group, inputs, validate=False)
+
+
+def temperature_differs_unvalidated(rank, world, group, inputs):
+    return temperature_differs(rank, world, group, inputs, validate=False)
+
+
+def row_temperature_differs_unvalidated(rank, world, group, inputs):
+    return row_temperature_differs(rank, world, group, inputs, validate=False)
+
+
+def targets_differ_unvalidated(rank, world, group, inputs):
+    return targets_differ(rank, world, group, inputs, validate=False)
+
+
+CASES = {  # name -> (call, message every rank must raise, or None: every output NaN)
+    "overlap": (overlap, r"do not tile the vocabulary: rank 0 holds \[0, 300\) and rank 1 "
+                r"holds \[200, 507\): token ids \[200, 300\) are held twice"),
+    "gap": (gap, r"do not tile the vocabulary: no rank holds token ids \[200, 300\)"),
+    "uneven_default_start": (uneven_default_start, r"vocab_start was not passed, so each shard "
+                             r"was placed at rank \* V_local, which only holds for shards of "
+                             r"equal width \(here rank 0: 300, rank 1: \d+"),
+    "vocab_size": (vocab_size_differs, r"disagree on vocab_size \(rank 0: 507, rank 1: 506"),
+    "temperature": (temperature_differs, r"disagree on temperature \(rank 0: 0\.7, rank 1: 1\b"),
+    "temperature_kind": (temperature_kind_differs, r"disagree on temperature \(rank 0: 1, "
+                         r"rank 1: a per-row tensor\)"),
+    "row_temperature": (row_temperature_differs, r"disagree on the temperature of row\[3\] differs"),
+    "with_entropy": (with_entropy_differs, r"disagree on with_entropy \(rank 0: False, rank 1: True"),
+    "ignore_index": (ignore_index_differs, r"disagree on ignore_index \(rank 0: -1, rank 1: -100"),
+    "keep_mask": (keep_mask_differs, r"disagree on keep_mask \(rank 0: None, rank 1: a tensor"),
+    "contract": (contract_differs, r"disagree on the contract version .*another exactlogp version"),
+    "rows": (rows_differ, r"disagree on the number of rows \(rank 0: 6, rank 1: 5\)"),
+    "no_rows_on_one_rank": (no_rows_on_one_rank, r"disagree on the number of rows \(rank 0: 6, rank 1: 0[,)]"),
+    "targets": (targets_differ, r"disagree on target\[2\] is \d+ on some ranks and \d+ on others"),
+    "argument_error": (argument_error_on_one_rank, r"rank 1 of tp_group rejected its arguments "
+                       r"\(rank 1: TypeError: target must hold integer token ids, got dtype "
+                       r"torch.float32\); this rank \(rank [02-9]\) raises too|^TypeError: target must"),
+    "overlap_unvalidated": (overlap_unvalidated, None),
+    "temperature_unvalidated": (temperature_differs_unvalidated, None),
+    "row_temperature_unvalidated": (row_temperature_differs_unvalidated, None),
+    "targets_unvalidated": (targets_differ_unvalidated, None),
+}  # fmt: skip
+
+
+def cases_worker(rank, world, group, names, inputs):
+    out = {}
+    for name in names:
+        call, _ = CASES[name]
+        start = time.monotonic()
+        try:
+            value = ("returned", call(rank, world, group, inputs))
+        except Exception as exc:
+            value = ("raised", f"{type(exc).__name__}: {exc}")
+        out[name] = (*value, time.monotonic() - start, good_call(rank, world, group, inputs))
+    return out
+
+
+@pytest.fixture(scope="module")
+def expected():
+    x, t = make_inputs()
+    res = exactlogp.selected_logprobs(x, t, with_entropy=True)
+    return res.logprobs, res.entropy
+
+
+def _check(results, names, expected):
+    for rank, out in enumerate(results):
+        for name in names:
+            kind, value, seconds, (lp, ent) = out[name]
+            what = f"{name}, rank {rank}"
+            message = CASES[name][1]
+            if message is None:  # validate=False: every output of the call is NaN
+                assert kind == "returned", f"{what}: {value}"
+                assert torch.isnan(value).all(), f"{what}: {value}"
+            else:
+                assert kind == "raised", f"{what} returned {value}"
+                assert value.startswith(("ValueError", "TypeError")), f"{what}: {value}"
+                pattern = message.split("|")
+                assert any(re.search(p, value) for p in pattern), f"{what}: {value}"
+            assert seconds < FAST_S, f"{what} took {seconds:.1f} s"
+            assert_bitwise_equal(lp, expected[0], f"{what}: the call after it")
+            assert_bitwise_equal(ent, expected[1], f"{what}: the call after it")
+
+
+def test_two_ranks_fail_closed_on_every_inconsistency(expected):
+    names = list(CASES)
+    results = run_gloo_world(2, cases_worker, names, make_inputs(), timeout=300)
+    _check(results, names, expected)
+
+
+def test_four_ranks_fail_closed_on_layouts_and_rows(expected):
+    names = ["overlap", "gap", "uneven_default_start", "targets", "row_temperature",
+             "no_rows_on_one_rank", "argument_error", "targets_unvalidated"]  # fmt: skip
+    results = run_gloo_world(4, cases_worker, names, make_inputs(), timeout=300)
+    _check(results, names, expected)
+
+
+# --- a rank outside the group, and threads ---
+
+
+def non_member_worker(rank, world, group, inputs):
+    import torch.distributed as dist
+
+    pair = dist.new_group([0, 1])  # every rank takes part in creating it
+    if rank == 2:
+        try:
+            exactlogp.selected_logprobs(inputs[0], inputs[1], tp_group=pair)
+        except ValueError as exc:
+            return str(exc)
+        return "returned"
+    return good_call(rank, 2, pair, inputs)
+
+
+def test_a_rank_outside_the_group_raises_clearly_and_the_members_go_on(expected):
+    results = run_gloo_world(3, non_member_worker, make_inputs(), timeout=240)
+    assert results[2].startswith("this process (global rank 2) is not a member of tp_group")
+    for lp, ent in results[:2]:
+        assert_bitwise_equal(lp, expected[0])
+        assert_bitwise_equal(ent, expected[1])
+
+
+def threads_worker(rank, world, group, inputs):
+    """Two threads per rank, started in opposite orders on the two ranks, so their calls
+    pair up across ranks wrongly: every call must raise or give its own TP=1 bits."""
+    x, t = inputs
+    targets = {"a": t, "b": t.roll(1)}
+    order = ["a", "b"] if rank == 0 else ["b", "a"]
+    outcome = {}
+
+    def run(name):
+        try:
+            outcome[name] = ("returned", _even(rank, world, group, (x, targets[name]),
+                                               vocab_size=VOCAB))  # fmt: skip
+        except Exception as exc:
+            outcome[name] = ("raised", f"{type(exc).__name__}: {exc}")
+
+    threads = []
+    for name in order:
+        threads.append(threading.Thread(target=run, args=(name,)))
+        threads[-1].start()
+        time.sleep(0.5)
+    for th in threads:
+        th.join(120)
+    return outcome, good_call(rank, world, group, inputs)
+
+
+def test_threads_sharing_a_group_never_mix_their_calls(expected):
+    x, t = make_inputs()
+    own = {"a": t, "b": t.roll(1)}
+    results = run_gloo_world(2, threads_worker, (x, t), timeout=240)
+    for rank, (outcome, (lp, ent)) in enumerate(results):
+        assert_bitwise_equal(ent, expected[1])
+        assert set(outcome) == {"a", "b"}, outcome
+        # the opposite start orders did pair different calls, and that was caught
+        assert any(kind == "raised" for kind, _ in outcome.values()), outcome
+        for name, (kind, value) in outcome.items():
+            if kind == "returned":
+                want = exactlogp.selected_logprobs(x, own[name]).logprobs
+                assert_bitwise_equal(value, want, f"rank {rank} thread {name}")
+            else:
+                assert "disagree on target" in value, value
+        assert_bitwise_equal(lp, expected[0])
+
+
+# --- what the agreement costs: its collectives ---
+
+
+def collectives_worker(rank, world, group, inputs, validate):
+    import torch.distributed as dist
+
+    calls = []
+    real_reduce, real_gather = dist.all_reduce, dist.all_gather
+
+    def reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        calls.append(("all_reduce", str(op), str(tensor.dtype), tuple(tensor.shape)))
+        return real_reduce(tensor, op=op, group=group, async_op=async_op)
+
+    def gather(parts, tensor, group=None, async_op=False):
+        calls.append(("all_gather", str(tensor.dtype), tuple(tensor.shape)))
+        return real_gather(parts, tensor, group=group, async_op=async_op)
+
+    dist.all_reduce, dist.all_gather = reduce, gather
+    x, t = inputs
+    xs = even_shard(x, rank, world).clone().requires_grad_(True)
+    res = exactlogp.selected_logprobs(
+        xs, t, tp_group=group, vocab_size=VOCAB, with_entropy=True, validate=validate
+    )
+    forward_calls = list(calls)
+    (res.logprobs.sum() + res.entropy.sum() + res.lse.sum()).backward()
+    return forward_calls, calls[len(forward_calls) :]
+
+
+@pytest.mark.parametrize("validate", [True, False])
+def test_collectives_per_forward_and_none_in_backward(validate):
+    from exactlogp import agreement
+
+    results = run_gloo_world(2, collectives_worker, make_inputs(), validate, timeout=120)
+    for forward_calls, backward_calls in results:
+        exact = [
+            ("all_reduce", "RedOpType.MAX", "torch.float32", (7 * ROWS + 6 + 2 * 2,)),
+            ("all_reduce", "RedOpType.SUM", "torch.int64", (ROWS, contract.NUM_COLS)),
+        ]
+        agree = [("all_gather", "torch.int64", (agreement.VECTOR_LEN,))]
+        assert forward_calls == (agree + exact if validate else exact)
+        assert backward_calls == []
+
+
+def test_field_values_are_shown_as_the_user_wrote_them():
+    from exactlogp import agreement
+
+    assert agreement._show("temperature", agreement.fp32_bits(0.5)) == "0.5"
+    assert agreement._show("vocab_size", -1) == "None"
+    assert agreement._show("kind", agreement.KIND_LINEAR) == "linear_selected_logprobs"
+    assert math.isnan(float(agreement._show("temperature", agreement.fp32_bits(math.nan))))
