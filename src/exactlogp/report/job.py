@@ -193,6 +193,7 @@ def _time_interleaved(job: Job, group, inputs: _Inputs, report, publish) -> None
 
     built, steps = [], {}
     hashes: dict[str, list[str]] = {name: [] for name in job.candidates}
+    runs = {name: job.timed_runs(name) for name in job.candidates}
     done = [0]
 
     def advance(name: str, what: str) -> None:
@@ -201,7 +202,7 @@ def _time_interleaved(job: Job, group, inputs: _Inputs, report, publish) -> None
 
     def on_run(name: str, out) -> None:
         hashes[name].append(sha256(out))
-        advance(name, f"timed run {len(hashes[name])}/{job.timed_runs(name)}")
+        advance(name, f"timed run {len(hashes[name])}/{runs[name]}")
 
     try:
         for name in job.candidates:
@@ -219,7 +220,7 @@ def _time_interleaved(job: Job, group, inputs: _Inputs, report, publish) -> None
                 advance(name, "warm-up")
             seconds = measure.interleaved(
                 steps,
-                {name: job.timed_runs(name) for name in steps},
+                runs,
                 seed=job.seed,
                 clock=measure.WallClock(inputs.device),
                 before=lambda: dist.barrier(group=group),
@@ -228,8 +229,7 @@ def _time_interleaved(job: Job, group, inputs: _Inputs, report, publish) -> None
         per_rank = [None] * dist.get_world_size(group)
         dist.all_gather_object(per_rank, seconds, group=group)
         for name in job.candidates:
-            runs = len(seconds[name])
-            slowest = [max(s[name][i] for s in per_rank) for i in range(runs)]
+            slowest = [max(s[name][i] for s in per_rank) for i in range(runs[name])]
             publish(name, {"times_s": slowest, "hashes": hashes[name]})
     finally:
         for cand in built:

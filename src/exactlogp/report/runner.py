@@ -185,18 +185,6 @@ def _measure_tp(s: Session, tp: int, display) -> dict:
     results = run_candidates(
         job, backend=s.backend, timeout=s.opts.timeout_s, on_progress=on_progress
     )
-    passed = [n for n, res in results.items() if "error" not in res and "unavailable" not in res]
-    if passed:
-        timing = s.job(passed, tp, kind="timing")
-        task = display.start(f"timing TP{tp}, interleaved", timing.timing_steps())
-        timed = run_candidates(
-            timing,
-            backend=s.backend,
-            timeout=s.opts.timeout_s,
-            on_progress=lambda name, done, what: display.advance(task, done, f"{name}: {what}"),
-        )
-        display.finish(task, "done")
-        results = s.with_timing(results, timed)
     for name in names:
         if name not in tasks:
             tasks[name] = display.start(f"{name} TP{tp}", job.steps(name))
@@ -206,9 +194,22 @@ def _measure_tp(s: Session, tp: int, display) -> dict:
         elif "unavailable" in res:
             status = f"unavailable: {res['unavailable']}"
         else:
-            status = f"done in {res['wall_s']:.0f} s"
+            status = f"checked in {res['wall_s']:.0f} s"
         display.finish(tasks[name], status)
-    return results
+    passed = [n for n, res in results.items() if "error" not in res and "unavailable" not in res]
+    if not passed:
+        return results
+    timing = s.job(passed, tp, kind="timing")
+    task = display.start(f"timing TP{tp}, interleaved", timing.timing_steps())
+    timed = run_candidates(
+        timing,
+        backend=s.backend,
+        timeout=s.opts.timeout_s,
+        on_progress=lambda name, done, what: display.advance(task, done, f"{name}: {what}"),
+    )
+    failed = [f"{n}: {r['error']}" for n, r in timed.items() if "error" in r]
+    display.finish(task, f"[red]{'; '.join(failed)}" if failed else "done")
+    return s.with_timing(results, timed)
 
 
 def _nccl_settings(s: Session, tp: int, display) -> None:
