@@ -44,9 +44,7 @@ def measure(dtype: torch.dtype, vocab: int, repeats: int) -> dict:
         )
         fin = contract.finalize(row_max, record, target, None, -100, None)
         one = torch.ones(rows, dtype=torch.float64)
-        stats = contract.GradStats(
-            row_max, fin.s_hi, fin.log_s, fin.entropy64, one, one, -one, fin.bad != 0
-        )
+        stats = contract.grad_stats(row_max, fin, -one, one, None)
         t_grad, grad = _median_us(
             lambda b=backend, s=stats: b.grad(x, target, 1.0, None, s, plan), repeats
         )

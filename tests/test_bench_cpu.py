@@ -25,11 +25,11 @@ def test_bench_main_writes_its_table_and_results(tmp_path):
     assert bench.main(argv) == 0
     results = json.loads((tmp_path / "cpu_results.json").read_text())
     assert set(results["results"]) == {
-        "exactlogp-cpu", "exactlogp-cpu+entropy", "exactlogp-cpu-direct", "megatron-core",
-        "torch-fp32",
+        "exactlogp[cpu]", "exactlogp[cpu,entropy]", "exactlogp[cpu,value_tables=never]",
+        "megatron_ce", "torch_full[row_block=all]", "torch_compile",
     }  # fmt: skip
     table = (tmp_path / "cpu_main.md").read_text()
-    assert "| exactlogp-cpu |" in table and "megatron-core" in table
+    assert "| exactlogp[cpu] |" in table and "megatron_ce" in table
 
 
 def test_bench_rejects_unknown_candidates(tmp_path):

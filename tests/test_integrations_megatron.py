@@ -234,10 +234,11 @@ def _megatron_world(rank, world_size, group, cases):
     from megatron.core.models.common.language_module import language_module
 
     from exactlogp.integrations import verl
+    from exactlogp.report.candidates.megatron import setup_megatron, teardown_megatron
 
     out = {}
     for tp in TP_SIZES:
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+        setup_megatron(tp)
         tp_rank = parallel_state.get_tensor_model_parallel_rank()
         tp_group = parallel_state.get_tensor_model_parallel_group()
         for name, (logits, target) in cases.items():
@@ -264,7 +265,7 @@ def _megatron_world(rank, world_size, group, cases):
             out["patch"] = _check_patch_in_megatron(
                 tensor_parallel, language_module, tp_group, cases["bf16"], tp_rank, tp
             )
-        parallel_state.destroy_model_parallel()
+        teardown_megatron()
     return out
 
 

@@ -16,13 +16,6 @@ TPS = (1, 2, 4)
 N, VOCAB = 24, 1000  # 1000 is no multiple of 64 or 128: every layout pads
 
 
-def _shard(full: torch.Tensor, lo: int, width: int) -> torch.Tensor:
-    shard = torch.full((full.shape[0], width), float("-inf"), dtype=full.dtype)
-    hi = min(lo + width, full.shape[1])
-    shard[:, : hi - lo] = full[:, lo:hi]
-    return shard
-
-
 def _world(rank, world_size, group, logits, target, pattern):
     import torch.distributed as dist
 
@@ -39,7 +32,8 @@ def _world(rank, world_size, group, logits, target, pattern):
             padded = cand.padded_vocab(VOCAB, tp)
             width, r = padded // tp, rank % tp
             ctx = ShardContext(r, tp, groups[tp], torch.device("cpu"), VOCAB, padded, r * width)
-            outs[(name, tp)] = cand.build(ctx)(_shard(logits, r * width, width), target)
+            shard = workload.cut_shard(logits, r * width, width, VOCAB)
+            outs[(name, tp)] = cand.build(ctx)(shard, target)
     emulated, original = {}, dist.all_reduce
     for setting in emulation.emulated_settings(world_size):
         x = pattern[rank].clone()

@@ -21,7 +21,9 @@ def _int_list(text: str) -> tuple[int, ...]:
 
 
 def _names(text: str) -> tuple[str, ...]:
-    return tuple(v.strip() for v in text.split(",") if v.strip())
+    from .report.candidates import split_names
+
+    return split_names(text)
 
 
 def build_parser() -> argparse.ArgumentParser:

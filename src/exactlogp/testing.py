@@ -5,24 +5,21 @@
 - `mpmath_row`: a single row at 60 significant digits.
 - `simulate_shards`: the four stages over an arbitrary split of the vocabulary in one
   process, combining the partials exactly as the two collectives would.
-- `run_gloo_world`: a real torch.distributed world of processes on 127.0.0.1.
+- `run_gloo_world`: a real torch.distributed world of processes on 127.0.0.1
+  (`exactlogp.report.worlds`, the one module that starts worlds).
 """
 
 from __future__ import annotations
 
 import hashlib
-import io
-import os
 import random
-import socket
-import tempfile
-import traceback
 from typing import NamedTuple
 
 import torch
 
 from . import contract
 from .backends import ShardPlan, get_backend
+from .report import worlds
 
 # --- case generators ---
 
@@ -33,23 +30,31 @@ def llm_like_logits(
     dtype: torch.dtype = torch.bfloat16,
     seed: int = 0,
     device: str | torch.device = "cpu",
+    targets: str = "sampled",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Logits shaped like an LM head's, and targets sampled from their softmax.
 
     A Gaussian bulk (std 2.5) plus, per row, a few dominant logits 8..30 above it; the
     targets are drawn from softmax(logits) as an RL rollout would draw them, so many are
-    near-certain tokens with logprob close to 0.
+    near-certain tokens with logprob close to 0. targets="uniform" draws them uniformly
+    instead (for timing: no (N, V) fp64 softmax, and no candidate's time depends on
+    which token is the target). Everything is drawn on `device` by a generator seeded
+    there: the same numbers for the same device type.
     """
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(num_rows, vocab, generator=gen) * 2.5
+    if targets not in ("sampled", "uniform"):
+        raise ValueError(f"targets must be 'sampled' or 'uniform', got {targets!r}")
+    device = torch.device(device)
+    gen = torch.Generator(device).manual_seed(seed)
+    x = torch.randn(num_rows, vocab, generator=gen, device=device) * 2.5
     num_peaks = min(vocab, 4)
-    peaks = torch.randint(0, vocab, (num_rows, num_peaks), generator=gen)
-    lift = 8.0 + 22.0 * torch.rand(num_rows, num_peaks, generator=gen)
+    peaks = torch.randint(0, vocab, (num_rows, num_peaks), generator=gen, device=device)
+    lift = 8.0 + 22.0 * torch.rand(num_rows, num_peaks, generator=gen, device=device)
     x.scatter_add_(1, peaks, lift)
     x = x.to(dtype)
+    if targets == "uniform":
+        return x, torch.randint(0, vocab, (num_rows,), generator=gen, device=device)
     probs = torch.softmax(x.double(), dim=-1)
-    target = torch.multinomial(probs, 1, generator=gen).squeeze(-1)
-    return x.to(device), target.to(device)
+    return x, torch.multinomial(probs, 1, generator=gen).squeeze(-1)
 
 
 def python_random_logits(
@@ -345,26 +350,41 @@ def sha256(*tensors: torch.Tensor) -> str:
     return h.hexdigest()
 
 
-def assert_bitwise_equal(actual: torch.Tensor, expected: torch.Tensor, what: str = "") -> None:
-    """Equal bits everywhere, and NaN exactly where the other has NaN.
+def compare_bits(actual: torch.Tensor, expected: torch.Tensor) -> dict:
+    """{"status": "bitwise-equal" | "equal-except-NaN-payload" | "DIFFERENT", ...}; a
+    difference also gives "count" and the "first" differing index with both values
+    ("got", "want"), or the dtype and shape mismatch ("detail").
 
     The contract fixes where NaN appears, not its sign or payload (docs/numerics.md, §7).
     """
-    if actual.dtype != expected.dtype or actual.shape != expected.shape:
-        raise AssertionError(
-            f"{what}: {actual.dtype}{tuple(actual.shape)} vs {expected.dtype}{tuple(expected.shape)}"
-        )
-    a, b = _bits(actual), _bits(expected)
-    if actual.is_floating_point():
-        nan_a, nan_b = torch.isnan(actual.detach().cpu()), torch.isnan(expected.detach().cpu())
-        a, b = torch.where(nan_a & nan_b, 0, a), torch.where(nan_a & nan_b, 0, b)
-    if not torch.equal(a, b):
-        bad = torch.nonzero(a != b)
-        first = tuple(int(i) for i in bad[0])
-        raise AssertionError(
-            f"{what}: {len(bad)} element(s) differ in bits; first at {first}: "
-            f"{actual[first].item()!r} vs {expected[first].item()!r}"
-        )
+    got, want = actual.detach().cpu(), expected.detach().cpu()
+    if got.dtype != want.dtype or got.shape != want.shape:
+        detail = f"{got.dtype}{tuple(got.shape)} vs {want.dtype}{tuple(want.shape)}"
+        return {"status": "DIFFERENT", "detail": detail}
+    differ = _bits(got) != _bits(want)
+    if not differ.any():
+        return {"status": "bitwise-equal"}
+    if got.is_floating_point():
+        nan_pairs = torch.isnan(got) & torch.isnan(want)
+        if not (differ & ~nan_pairs).any():
+            return {"status": "equal-except-NaN-payload", "count": int(differ.sum())}
+        differ &= ~nan_pairs
+    first = tuple(int(i) for i in torch.nonzero(differ)[0])
+    return {"status": "DIFFERENT", "count": int(differ.sum()), "first": first,
+            "got": repr(got[first].item()), "want": repr(want[first].item())}  # fmt: skip
+
+
+def assert_bitwise_equal(actual: torch.Tensor, expected: torch.Tensor, what: str = "") -> None:
+    """Equal bits everywhere, and NaN exactly where the other has NaN (`compare_bits`)."""
+    res = compare_bits(actual, expected)
+    if res["status"] != "DIFFERENT":
+        return
+    if "detail" in res:
+        raise AssertionError(f"{what}: {res['detail']}")
+    raise AssertionError(
+        f"{what}: {res['count']} element(s) differ in bits; first at {res['first']}: "
+        f"{res['got']} vs {res['want']}"
+    )
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -373,84 +393,9 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(view) if t.is_floating_point() else t
 
 
-# --- real process groups on this machine ---
+# --- real process groups on this machine: exactlogp.report.worlds ---
 
-
-def run_gloo_world(world_size: int, fn, *args, timeout: float = 120.0) -> list:
-    """Run fn(rank, world_size, group, *args) in `world_size` fresh processes joined by a
-    gloo process group on 127.0.0.1; return the per-rank results (picklable values).
-
-    `fn` must be importable (a module-level function). Every process is ended before this
-    returns, including on error or timeout.
-    """
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    port = _free_port()
-    with tempfile.TemporaryDirectory() as tmp:
-        procs = [
-            ctx.Process(
-                target=_world_worker,
-                args=(rank, world_size, port, tmp, fn, args, timeout),
-                daemon=True,
-            )
-            for rank in range(world_size)
-        ]
-        try:
-            for p in procs:
-                p.start()
-            for p in procs:
-                p.join(timeout)
-            if any(p.is_alive() for p in procs):
-                raise TimeoutError(f"gloo world of {world_size} did not finish in {timeout:.0f} s")
-            results = []
-            for rank in range(world_size):
-                path = os.path.join(tmp, f"rank{rank}.pt")
-                if not os.path.exists(path):
-                    raise RuntimeError(f"rank {rank} exited with code {procs[rank].exitcode}")
-                ok, value = torch.load(path, weights_only=False)
-                if not ok:
-                    raise RuntimeError(f"rank {rank} failed:\n{value}")
-                results.append(value)
-            return results
-        finally:
-            for p in procs:
-                if p.is_alive():
-                    p.kill()
-                p.join(5)
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _world_worker(rank, world_size, port, tmp, fn, args, timeout):
-    import datetime
-
-    import torch.distributed as dist
-
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    torch.set_num_threads(1)
-    try:
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=world_size,
-            timeout=datetime.timedelta(seconds=timeout),
-        )
-        try:
-            result = (True, fn(rank, world_size, dist.group.WORLD, *args))
-        finally:
-            dist.destroy_process_group()
-    except Exception:
-        result = (False, traceback.format_exc())
-    buf = io.BytesIO()
-    torch.save(result, buf)
-    with open(os.path.join(tmp, f"rank{rank}.pt"), "wb") as f:
-        f.write(buf.getvalue())
+run_gloo_world = worlds.run_gloo_world
 
 
 def fp64_reference_grad(

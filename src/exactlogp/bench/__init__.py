@@ -1,1 +1,2 @@
-"""Benchmarks of exactlogp against the pipelines it replaces (`exactlogp bench`)."""
+"""Benchmarks of exactlogp against the pipelines it replaces (`exactlogp bench`), on the
+report's candidates, worlds and measurement (exactlogp.report)."""

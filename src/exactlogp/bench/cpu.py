@@ -1,12 +1,18 @@
 """`exactlogp bench` (also benchmarks/cpu_bench.py): the fused CPU backend against the
-real megatron-core vocab-parallel cross-entropy and torch fp32 log_softmax + gather.
+real megatron-core vocab-parallel cross-entropy, eager torch fp32 log_softmax + gather
+and a torch.compile'd fp32 logsumexp + gather.
+
+The candidates are the report's (exactlogp.report.candidates), built at TP1 through the
+same ShardContext on a process group of one rank (exactlogp.report.tp1), and timed by
+exactlogp.report.measure: every repeat runs every (candidate, mode) once, in an order
+shuffled per repeat (seeded), after one untimed warm-up of each.
 
 Default run: the Qwen3-Next shape (1024 tokens x 151936 vocab, bf16, TP 1, one process),
-forward and forward+backward, the median of 5 alternating repeats (min and max shown),
-then the peak extra memory of each candidate, each in a fresh process. --profile times
-the backend's passes against this machine's memory bandwidth. --sweep adds sweeps over
-tokens (128 .. 4096) and vocab (32k .. 262k) with fewer repeats, written as Markdown
-tables and a PNG plot. Everything lands in --out (default docs/performance).
+forward and forward+backward, the median of 5 repeats (min and max shown), then the peak
+extra memory of each candidate, each in a fresh process. --profile times the backend's
+passes against this machine's memory bandwidth. --sweep adds sweeps over tokens
+(128 .. 4096) and vocab (32k .. 262k) with fewer repeats, written as Markdown tables and
+a PNG plot. Everything lands in --out (default docs/performance).
 """
 
 from __future__ import annotations
@@ -23,14 +29,26 @@ from pathlib import Path
 
 import torch
 
-from . import candidates as cands
-from . import measure
+from ..report import candidates, measure
+from ..report.measure import MODES
+from ..report.tp1 import tp1_steps
+from ..testing import llm_like_logits
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 SWEEP_TOKENS = (128, 256, 512, 1024, 2048, 4096)
 SWEEP_VOCAB = (32768, 65536, 131072, 151936, 262144)
-BASELINE = "megatron-core"
-OURS = "exactlogp-cpu"
+OURS = "exactlogp[cpu]"
+BASELINE = "megatron_ce"
+EAGER = "torch_full[row_block=all]"
+COMPILED = "torch_compile"
+DEFAULT_CANDIDATES = (
+    OURS,
+    "exactlogp[cpu,entropy]",  # the RL case: the loss adds the entropy
+    "exactlogp[cpu,value_tables=never]",  # column by column: what the value tables save
+    BASELINE,
+    EAGER,
+    COMPILED,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -38,17 +56,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokens", type=int, default=1024, help="rows N (default 1024)")
     p.add_argument("--vocab", type=int, default=151936, help="vocabulary V (default 151936)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
-    p.add_argument("--repeats", type=int, default=5, help="alternating repeats (default 5)")
+    p.add_argument("--repeats", type=int, default=5, help="shuffled repeats (default 5)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--candidates", default=",".join(cands.CANDIDATES), help="comma-separated names")
+    p.add_argument(
+        "--candidates",
+        default=",".join(DEFAULT_CANDIDATES),
+        help="comma-separated names of exactlogp.report.candidates",
+    )
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory processes")
     p.add_argument("--profile", action="store_true", help="time the backend passes")
     p.add_argument("--sweep", action="store_true", help="also run the token and vocab sweeps")
     p.add_argument("--sweep-repeats", type=int, default=3, help="repeats per sweep point")
     p.add_argument(
         "--sweep-candidates",
-        default=f"{OURS},{BASELINE},torch-fp32",
+        default=f"{OURS},{BASELINE},{EAGER},{COMPILED}",
         help="comma-separated names for the sweeps",
     )
     p.add_argument("--out", type=Path, default=Path("docs/performance"))
@@ -68,27 +90,48 @@ def main(argv: list[str] | None = None) -> int:
     sweep_names = _names("--sweep-candidates", args.sweep_candidates)
     args.out.mkdir(parents=True, exist_ok=True)
     command = "exactlogp bench " + shlex.join(sys.argv[1:] if argv is None else argv)
-    try:
-        report = _main_shape(args, names)
-        report.update(command=command, machine=machine())
-        if args.profile:
-            report["profile"] = profile(args)
-        if args.sweep:
-            report["sweeps"] = sweeps(args, sweep_names)
-    finally:
-        cands.close_megatron()
+    report = _main_shape(args, names)
+    report.update(command=command, machine=machine())
+    if args.profile:
+        report["profile"] = profile(args)
+    if args.sweep:
+        report["sweeps"] = sweeps(args, sweep_names)
     _write(args.out, report)
     return 0
 
 
 def _names(option: str, value: str) -> list[str]:
-    names = [n.strip() for n in value.split(",") if n.strip()]
+    names = list(candidates.split_names(value))
     for name in names:
-        if name not in cands.CANDIDATES:
-            raise SystemExit(
-                f"{option}: unknown candidate {name!r}; choose from {cands.CANDIDATES}"
-            )
+        try:
+            candidates.create(name)
+        except (ValueError, TypeError, ImportError, AttributeError) as exc:
+            raise SystemExit(f"{option}: unknown candidate {name!r}: {exc}") from None
     return names
+
+
+def _inputs(args, tokens: int, vocab: int):
+    return llm_like_logits(tokens, vocab, DTYPES[args.dtype], args.seed, targets="uniform")
+
+
+def time_candidates(names, x, target, repeats: int, seed: int) -> tuple[dict, dict]:
+    """({name: {mode: Timing as a dict, or None}}, {name: why unavailable})."""
+    with tp1_steps(names, x, target, skip_unavailable=True) as (steps, skipped):
+        fns = {
+            (name, mode): getattr(s, mode)
+            for name, s in steps.items()
+            for mode in MODES
+            if getattr(s, mode) is not None
+        }
+        seconds = measure.interleaved(fns, repeats, seed=seed, warmup=1)
+    rows = {
+        name: {
+            mode: vars(measure.Timing.of(seconds[name, mode])) if (name, mode) in seconds else None
+            for mode in MODES
+        }
+        for name in steps
+    }
+    return rows, skipped
 
 
 # --- the main shape ---
@@ -99,21 +142,25 @@ def _log(msg: str) -> None:
 
 
 def _main_shape(args, names: list[str]) -> dict:
-    x, target = cands.bench_inputs(args.tokens, args.vocab, DTYPES[args.dtype], args.seed)
+    x, target = _inputs(args, args.tokens, args.vocab)
     _log(f"timing {names} on {args.tokens} x {args.vocab} {args.dtype}, {args.repeats} repeats")
-    timings = measure.time_alternating([cands.make(n) for n in names], x, target, args.repeats)
-    rows = {name: {mode: vars(timings[name, mode]) for mode in measure.MODES} for name in names}
+    rows, skipped = time_candidates(names, x, target, args.repeats, args.seed)
+    for name, why in skipped.items():
+        _log(f"{name} unavailable: {why}")
     if not args.no_memory:
         shape_args = _shape_args(args, args.tokens, args.vocab)
-        for name in names:
-            for mode in measure.MODES:
-                _log(f"peak memory: {name} {mode}")
-                rows[name][mode]["peak_mib"] = measure.child_peak_mib(name, mode, shape_args)
+        for name in rows:
+            for mode in MODES:
+                if rows[name][mode] is not None:
+                    _log(f"peak memory: {name} {mode}")
+                    rows[name][mode]["peak_mib"] = child_peak_mib(name, mode, shape_args)
     report = {
         "shape": {"tokens": args.tokens, "vocab": args.vocab, "dtype": args.dtype},
         "threads": torch.get_num_threads(),
         "repeats": args.repeats,
+        "seed": args.seed,
         "results": rows,
+        "unavailable": skipped,
     }
     print(main_table(report))
     return report
@@ -125,49 +172,63 @@ def _shape_args(args, tokens: int, vocab: int) -> list[str]:
     return out
 
 
+def child_peak_mib(name: str, mode: str, shape_args: list[str]) -> float | None:
+    """Peak extra memory of one step of `name` in a fresh interpreter; None if it could not
+    be measured. Its malloc maps every block of 64 KiB or more on its own, so memory the
+    warm-up freed is given back and counted again instead of being reused."""
+    cmd = [sys.executable, "-m", "exactlogp.bench.cpu", *shape_args, "--measure-memory", name, mode]
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
+    run = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    for line in reversed(run.stdout.splitlines()):
+        if line.startswith("{"):
+            return json.loads(line)["peak_mib"]
+    return None
+
+
 def _child_memory(args, name: str, mode: str) -> int:
-    x, target = cands.bench_inputs(args.tokens, args.vocab, DTYPES[args.dtype], args.seed)
-    try:
-        step = getattr(cands.make(name), mode)
-        step(x, target)  # warm-up: lazy imports, the compiled kernels, thread pools
-        peak = measure.step_peak_mib(lambda: step(x, target))
-    finally:
-        cands.close_megatron()
+    x, target = _inputs(args, args.tokens, args.vocab)
+    with tp1_steps([name], x, target) as (steps, _):
+        step = getattr(steps[name], mode)
+        step()  # warm-up: lazy imports, the compiled kernels, thread pools
+        memory = measure.PeakMemory(x.device)
+        out = step()
+        peak = memory.read()
+        del out
     print(json.dumps({"peak_mib": peak}))
     return 0
 
 
-def _ms(t: dict) -> str:
+def _ms(t: dict | None) -> str:
+    if t is None:
+        return "-"
     return f"{t['median'] * 1e3:.0f} ({t['low'] * 1e3:.0f}-{t['high'] * 1e3:.0f})"
 
 
 def _ratio(rows: dict, name: str, other: str, mode: str) -> str:
-    if other not in rows:
+    if other not in rows or rows[name][mode] is None or rows[other][mode] is None:
         return "-"
     return f"{rows[name][mode]['median'] / rows[other][mode]['median']:.2f}x"
 
 
-def _mib(t: dict) -> str:
-    peak = t.get("peak_mib")
+def _mib(t: dict | None) -> str:
+    peak = None if t is None else t.get("peak_mib")
     return "-" if peak is None else f"{peak:.0f}"
 
 
 def main_table(report: dict) -> str:
     rows = report["results"]
     head = (
-        "| candidate | forward ms, median (min-max) | forward+backward ms | forward vs "
-        "megatron-core | fwd+bwd vs megatron-core | forward vs torch-fp32 | fwd+bwd vs "
-        "torch-fp32 | peak extra MiB, forward | peak extra MiB, fwd+bwd |\n"
+        f"| candidate | forward ms, median (min-max) | forward+backward ms | forward vs "
+        f"{BASELINE} | fwd+bwd vs {BASELINE} | forward vs {EAGER} | fwd+bwd vs {EAGER} "
+        "| peak extra MiB, forward | peak extra MiB, fwd+bwd |\n"
         "|---|---|---|---|---|---|---|---|---|"
     )
     lines = [head]
     for name, r in rows.items():
         fwd, both = r["forward"], r["forward_backward"]
+        ratios = [_ratio(rows, name, other, m) for other in (BASELINE, EAGER) for m in MODES]
         lines.append(
-            f"| {name} | {_ms(fwd)} | {_ms(both)} | {_ratio(rows, name, BASELINE, 'forward')} "
-            f"| {_ratio(rows, name, BASELINE, 'forward_backward')} "
-            f"| {_ratio(rows, name, 'torch-fp32', 'forward')} "
-            f"| {_ratio(rows, name, 'torch-fp32', 'forward_backward')} "
+            f"| {name} | {_ms(fwd)} | {_ms(both)} | {' | '.join(ratios)} "
             f"| {_mib(fwd)} | {_mib(both)} |"
         )
     return "\n".join(lines)
@@ -196,7 +257,7 @@ def profile(args) -> dict:
     from ..backends import ShardPlan, get_backend
     from ..backends.cpu import CpuBackend
 
-    x, target = cands.bench_inputs(args.tokens, args.vocab, DTYPES[args.dtype], args.seed)
+    x, target = _inputs(args, args.tokens, args.vocab)
     cpu = get_backend("cpu", x.device)
     direct = CpuBackend(num_threads=cpu.num_threads, value_tables="never")
     plan = ShardPlan(0, None, -100, False)
@@ -256,23 +317,13 @@ def profile_table(prof: dict) -> str:
 def sweeps(args, names: list[str]) -> dict:
     points = [("tokens", n, args.vocab) for n in SWEEP_TOKENS]
     points += [("vocab", args.tokens, v) for v in SWEEP_VOCAB]
-    built = [cands.make(n) for n in names]
     out: dict = {"repeats": args.sweep_repeats, "tokens": [], "vocab": []}
     for axis, n, v in points:
         _log(f"sweep {axis}: {n} x {v}")
-        x, target = cands.bench_inputs(n, v, DTYPES[args.dtype], args.seed)
-        timings = measure.time_alternating(built, x, target, args.sweep_repeats)
+        x, target = _inputs(args, n, v)
+        results, _ = time_candidates(names, x, target, args.sweep_repeats, args.seed)
         del x, target
-        out[axis].append(
-            {
-                "tokens": n,
-                "vocab": v,
-                "results": {
-                    name: {mode: vars(timings[name, mode]) for mode in measure.MODES}
-                    for name in names
-                },
-            }
-        )
+        out[axis].append({"tokens": n, "vocab": v, "results": results})
     return out
 
 
@@ -289,7 +340,7 @@ def sweep_table(points: list[dict], axis: str) -> str:
         for name in names:
             cells += [_ms(r[name]["forward"]), _ms(r[name]["forward_backward"])]
         if ratio_cols:
-            cells += [_ratio(r, OURS, BASELINE, m) for m in measure.MODES]
+            cells += [_ratio(r, OURS, BASELINE, m) for m in MODES]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -309,6 +360,8 @@ def plot_sweeps(report: dict, path: Path) -> None:
         ax = axes[0][col]
         for name in points[0]["results"]:
             for mode, style in (("forward", "-"), ("forward_backward", "--")):
+                if any(p["results"][name][mode] is None for p in points):
+                    continue
                 ys = [p["results"][name][mode]["median"] * 1e3 for p in points]
                 ax.plot(xs, ys, style, marker="o", label=f"{name} {mode.replace('_', '+')}")
         ax.set(xscale="log", yscale="log", ylabel="ms (median)")
@@ -334,7 +387,7 @@ def plot_sweeps(report: dict, path: Path) -> None:
     m = report["machine"]
     fig.suptitle(
         f"{m['cpu']}, {m['cores']} cores, {report['threads']} threads, {report['shape']['dtype']}"
-        f", median of {sw['repeats']} alternating runs per point"
+        f", median of {sw['repeats']} shuffled runs per point"
     )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -383,7 +436,8 @@ def _write(out: Path, report: dict) -> None:
         f"Command: `{report['command']}`  ",
         f"Machine: {m['cpu']}, {m['cores']} cores, torch threads {report['threads']}, "
         f"{', '.join(f'{k} {v}' for k, v in m['versions'].items())}, {m['date']}  ",
-        f"Median of {report['repeats']} alternating runs (min-max in brackets); peak extra "
+        f"Median of {report['repeats']} runs, the order of the candidates shuffled per run "
+        f"(seed {report['seed']}; min-max in brackets); peak extra "
         "memory = peak RSS of a fresh process during one step minus its RSS before the step.",
         "",
         main_table(report),
@@ -404,7 +458,7 @@ def _write(out: Path, report: dict) -> None:
             "",
             f"Command: `{report['command']}`  ",
             f"Machine: {m['cpu']}, {m['cores']} cores, torch threads {report['threads']}  ",
-            f"Median of {sw['repeats']} alternating runs per point (min-max in brackets).",
+            f"Median of {sw['repeats']} shuffled runs per point (min-max in brackets).",
             "",
             f"## tokens (vocab {report['shape']['vocab']})",
             "",

@@ -1,13 +1,17 @@
-"""The conformance report: exactlogp and its peers measured side by side on shared logits.
+"""The conformance report, and the harness it shares with the bench and the GPU check.
 
 `exactlogp report` (exactlogp/cli.py) drives runner.run:
 
   candidates/   one module per candidate, registered by name, each saying what it runs
+                (the one registry of the report, `exactlogp bench` and exactlogp.gpucheck)
+  worlds.py     every spawned torch.distributed world, the free port, the timeout policy,
+                the process group of one rank
+  measure.py    interleaved timing in shuffled rounds, clocks, peak memory
+  tp1.py        candidates at TP1 in this process (the bench and the GPU check)
   workload.py   the shared seeded logits and their fp64 truth
   session.py    what one run knows as it goes
-  worlds.py     spawned torch.distributed worlds, timeouts, clean-up
   torchrun.py   the same measurements inside a torchrun world
-  job.py        the measurements inside a world
+  job.py        the measurements inside a world (checks, timing), crash and hang isolation
   emulation.py  collective settings: NCCL knobs, or emulated reduction orders on gloo
   checks.py     verdicts from raw measurements
   assemble.py   the report dictionary (header, entries, method)

@@ -90,9 +90,13 @@ def _method(s: Session) -> dict:
         "timed_runs": opts.repeats,
         "timed_runs_note": "exactlogp[BACKEND] rows (a pinned, non-auto backend) time at most "
         f"{PINNED_TIMED_RUNS} runs; their purpose is the bitwise comparison with exactlogp",
-        "timing": "all rows per run; barrier before each run, the slowest rank's time per "
-        "run (CUDA synchronised); median and p10/p90 over the timed runs",
-        "repeats": "SHA-256 of the warm-up output and of every timed run's output, all rows",
+        "timing": "after the checks, in one world per TP degree: every candidate that passed "
+        "them built side by side and warmed up once, then rounds in which each runs once on "
+        "all rows, in an order shuffled per round (seeded); barrier before each run, the "
+        "slowest rank's time per run (CUDA synchronised); median and p10/p90 over the timed "
+        "runs",
+        "repeats": "SHA-256 of the warm-up output (checks world) and of every timed run's "
+        "output (timing world), all rows",
         "check_rows": list(s.check_rows),
         "extra_rows": list(s.extra_rows),
         "batch_bitwise": "on check_rows: each row alone, consecutive sub-batches of 1, 2, 3, 5, "
@@ -109,10 +113,11 @@ def _method(s: Session) -> dict:
         "tp_equals_tp1": "all rows, bit for bit, each TP degree against TP1",
         "accuracy": "all rows at every TP measured, against the fp64 reference; ulps are fp32 "
         "ulps of the reference value",
-        "peak_memory": "per rank, warm-up and timed runs: CUDA allocator peak, or on CPU the "
+        "peak_memory": "per rank, the warm-up run: CUDA allocator peak, or on CPU the "
         "resident-set peak (VmHWM, reset first) minus the resident set before",
         "worlds": "spawned per TP degree, candidates one after another, each with its own "
-        "timeout; a fresh world after any crash or timeout"
+        "timeout; a fresh world after any crash or timeout; then one timing world (a fresh "
+        "one without the candidate whose run crashed or hung)"
         if s.launcher == "spawn"
         else "the torchrun world; TP groups are consecutive blocks of ranks",
         "timeout_s": opts.timeout_s,

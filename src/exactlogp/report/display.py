@@ -25,7 +25,11 @@ def columns(report: dict) -> list[str]:
 
 
 class RichDisplay:
-    """The runner's display: one progress line per candidate and TP degree (or phase)."""
+    """The runner's display: one progress line per candidate and TP degree (or phase).
+
+    A terminal gets live progress bars; a log file or pipe gets one plain line per
+    finished task instead (a live display there would print every bar again when it stops).
+    """
 
     def __init__(self, console: Console):
         self.console = console
@@ -39,11 +43,13 @@ class RichDisplay:
         )
 
     def __enter__(self):
-        self.progress.start()
+        if self.console.is_terminal:
+            self.progress.start()
         return self
 
     def __exit__(self, *exc):
-        self.progress.stop()
+        if self.console.is_terminal:
+            self.progress.stop()
 
     def start(self, label: str, total: int):
         # names like "exactlogp[cpu]" must not be read as rich markup
@@ -55,7 +61,7 @@ class RichDisplay:
     def finish(self, task, status: str) -> None:
         info = self.progress.tasks[task]
         self.progress.update(task, completed=info.total, status=escape(status))
-        if not self.console.is_terminal:  # a log file gets one line per finished task
+        if not self.console.is_terminal:
             self.console.print(f"{info.description}: {escape(status)}")
 
 

@@ -1,33 +1,38 @@
-"""What runs inside one torch.distributed world: every measurement of the candidates
-named in a Job, on this rank's shard of the shared logits.
+"""What runs inside one torch.distributed world: the measurements of the candidates named
+in a Job, on this rank's shard of the shared logits; and `run_candidates`, which runs a
+job in spawned worlds with crash and hang isolation.
 
-Per candidate (all ranks issue the same calls, so collectives stay matched):
+A "checks" job, per candidate (all ranks issue the same calls, so collectives stay
+matched):
   1. build it on this rank's shard
-  2. warm-up run on all rows: its output is the candidate's result at this TP
-  3. `repeats` timed runs on all rows (fewer where the candidate caps them): barrier,
-     run, (CUDA sync); per run the slowest rank's time; the SHA-256 of every output;
-     peak memory of steps 2-3 per rank
-  4. batch checks on the check rows: each row alone, consecutive sub-batches of
+  2. warm-up run on all rows: its output is the candidate's result at this TP; its
+     SHA-256 on every rank; each rank's peak memory
+  3. batch checks on the check rows: each row alone, consecutive sub-batches of
      1, 2, 3, 5, 8, ... rows, the rows permuted, the rows shuffled among as many
      other rows; each compared bit for bit with step 2's rows
-  5. collective settings on the check rows (gloo: emulated orders, see emulation.py)
-Rank 0 returns the results; a settings-only job (a fresh NCCL world per setting)
-runs just the check rows.
+  4. collective settings on the check rows (gloo: emulated orders, see emulation.py)
+A "timing" job: the candidates that passed their checks, built side by side, one
+warm-up run each, then `repeats` rounds (fewer where a candidate caps them) in which
+each runs once on all rows, in an order shuffled per round (measure.interleaved, seeded:
+the same order on every rank): barrier, run, (CUDA sync); per run the slowest rank's
+time; the SHA-256 of every output.
+A "settings" job (a fresh NCCL world per setting) runs just the check rows.
+Rank 0 publishes each candidate's result as soon as it has it.
 """
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from ..testing import sha256
-from . import candidates, emulation, workload
+from . import candidates, checks, emulation, measure, workload, worlds
 
 SUB_BATCH_SIZES = (1, 2, 3, 5, 8, 13, 21, 34, 55, 89)
+KINDS = ("checks", "timing", "settings")
 
 
 @dataclass(frozen=True)
@@ -40,7 +45,7 @@ class Job:
     check_rows: tuple[int, ...]
     extra_rows: tuple[int, ...]
     threads: int = 1
-    full: bool = True  # False: only the check rows, for a fresh world per NCCL setting
+    kind: str = "checks"  # one of KINDS
     emulate: bool = False  # replay emulated reduction orders (gloo, tp > 1)
     seed: int = 0
 
@@ -49,11 +54,15 @@ class Job:
         return self.repeats if cap is None else min(self.repeats, cap)
 
     def steps(self, name: str) -> int:
-        """Progress steps of one candidate."""
-        if not self.full:
+        """Progress steps of one candidate in a checks or settings job."""
+        if self.kind == "settings":
             return 2
         settings = len(emulation.emulated_settings(self.tp)) if self.emulate else 0
-        return 2 + self.timed_runs(name) + 4 + settings
+        return 2 + 4 + settings
+
+    def timing_steps(self) -> int:
+        """Progress steps of a timing job: a warm-up and the timed runs of each candidate."""
+        return sum(1 + self.timed_runs(name) for name in self.candidates)
 
 
 Progress = Callable[[str, int, str], None]  # (candidate, steps done, what)
@@ -61,58 +70,92 @@ Sink = Callable[[str, dict], None]  # (candidate, its result), called on rank 0
 
 
 def run_job(group, job: Job, progress: Progress | None = None, sink: Sink | None = None) -> None:
-    """Measure the candidates of `job` in order in this world; an exception ends the job
-    (the other ranks may be waiting in a collective of the failed candidate)."""
+    """Measure the candidates of `job` in this world; an exception ends the job (the other
+    ranks may be waiting in a collective of the failed candidate)."""
     import torch.distributed as dist
 
+    if job.kind not in KINDS:
+        raise ValueError(f"job kind must be one of {KINDS}, got {job.kind!r}")
     torch.set_num_threads(job.threads)
     rank = dist.get_rank(group)
-    device = _device()
     quiet = lambda *args: None  # noqa: E731
     report = progress if rank == 0 and progress else quiet
+    publish = sink if rank == 0 and sink else quiet
+    device = _device(group)
+    inputs = _Inputs(job, rank, device)
+    if job.kind == "timing":
+        _time_interleaved(job, group, inputs, report, publish)
+        return
     for name in job.candidates:
-        result = _measure(name, job, group, rank, device, report)
-        if rank == 0 and sink:
-            sink(name, result)
+        publish(name, _check(name, job, group, inputs, report))
 
 
-def _device() -> torch.device:
-    if torch.cuda.is_available() and os.environ.get("EXACTLOGP_REPORT_DEVICE") == "cuda":
+def in_world(rank: int, world_size: int, group, job: Job) -> None:
+    """A spawned world's function (worlds.World): the job, progress and results to the parent."""
+    run_job(group, job, worlds.progress, worlds.publish)
+
+
+def _device(group) -> torch.device:
+    import torch.distributed as dist
+
+    if dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
 
-def _measure(name, job: Job, group, rank, device, report) -> dict:
+class _Inputs:
+    """This rank's shard of the shared logits as a candidate pads them, and its context."""
+
+    def __init__(self, job: Job, rank: int, device: torch.device):
+        self.job, self.rank, self.device = job, rank, device
+        self._shards: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def __call__(self, cand, group):
+        job = self.job
+        padded = cand.padded_vocab(job.vocab, job.tp)
+        width = padded // job.tp
+        if width not in self._shards:
+            logits, target = workload.load_shard(job.data_path, self.rank * width, width, job.vocab)
+            self._shards[width] = (logits.to(self.device), target.to(self.device))
+        ctx = candidates.ShardContext(
+            self.rank, job.tp, group, self.device, job.vocab, padded, self.rank * width
+        )
+        return (*self._shards[width], ctx)
+
+
+def _logprobs_fn(cand, ctx):
+    fn = cand.build(ctx)
+    return lambda logits, target: candidates.logprobs_of(fn(logits, target))
+
+
+def _check(name, job: Job, group, inputs: _Inputs, report) -> dict:
     report(name, 0, "loading")
     start = time.perf_counter()
     cand = candidates.create(name)
     try:
         # every rank fails the same way here, so the world can go on to the next candidate
-        cand.check_available(device)
+        cand.check_available(inputs.device)
     except candidates.Unavailable as exc:
         return {"unavailable": str(exc)}
-    padded = cand.padded_vocab(job.vocab, job.tp)
-    width = padded // job.tp
-    logits, target = workload.load_shard(job.data_path, rank * width, width, job.vocab)
-    logits, target = logits.to(device), target.to(device)
-    ctx = candidates.ShardContext(rank, job.tp, group, device, job.vocab, padded, rank * width)
+    logits, target, ctx = inputs(cand, group)
     done = [0]
 
     def step(what: str) -> None:
         done[0] += 1
         report(name, done[0], what)
 
-    rows = torch.tensor(job.check_rows, dtype=torch.int64, device=device)
+    rows = torch.tensor(job.check_rows, dtype=torch.int64, device=inputs.device)
     try:
-        fn = cand.build(ctx)
+        fn = _logprobs_fn(cand, ctx)
         step("built")
         with torch.no_grad():
-            if not job.full:
+            if job.kind == "settings":
                 out = fn(logits[rows], target[rows])
                 step("settings run")
                 return {"check_rows_out": out.cpu()}
-            result = _main_runs(name, fn, logits, target, group, job, device, step)
-            expect = result["out"].to(device)[rows]
+            result = _warm_up(fn, logits, target, group, inputs.device)
+            step("warm-up")
+            expect = result["out"].to(inputs.device)[rows]
             result["batch"] = _batch_checks(fn, logits, target, rows, expect, job, step)
             if job.emulate:
                 result["settings"] = _settings_checks(fn, logits, target, rows, job, step)
@@ -120,42 +163,77 @@ def _measure(name, job: Job, group, rank, device, report) -> dict:
                 with emulation.emulate(None) as counter:
                     fn(logits[rows[:1]], target[rows[:1]])
                 result["float_all_reduces_per_call"] = counter.count
-            result["padded_vocab"] = padded
+            result["padded_vocab"] = ctx.padded_vocab
             result["wall_s"] = time.perf_counter() - start
             return result
     finally:
         cand.teardown()
 
 
-def _main_runs(name, fn, logits, target, group, job: Job, device, step) -> dict:
+def _warm_up(fn, logits, target, group, device) -> dict:
     import torch.distributed as dist
 
-    memory = PeakMemory(device)
+    memory = measure.PeakMemory(device)
     dist.barrier(group=group)
-    out = fn(logits, target)  # warm-up; its output is the result
-    _sync(device)
-    step("warm-up")
-    hashes, times = [sha256(out)], []
-    runs = job.timed_runs(name)
-    for i in range(runs):
-        dist.barrier(group=group)
-        t0 = time.perf_counter()
-        again = fn(logits, target)
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-        hashes.append(sha256(again))
-        step(f"timed run {i + 1}/{runs}")
-    peak = memory.read()
+    out = fn(logits, target)  # its output is the result
+    measure.sync(device)
+    peak, digest = memory.read(), sha256(out)
     per_rank = [None] * dist.get_world_size(group)
-    dist.all_gather_object(per_rank, (times, peak, hashes[0]), group=group)
-    slowest = [max(t[i] for t, _, _ in per_rank) for i in range(runs)]
+    dist.all_gather_object(per_rank, (peak, digest), group=group)
     return {
         "out": out.detach().to(torch.float32).cpu(),
-        "hashes": hashes,
-        "times_s": slowest,
-        "peak_memory_mib_per_rank": [p for _, p, _ in per_rank],
-        "ranks_agree": len({h for _, _, h in per_rank}) == 1,
+        "hashes": [digest],
+        "peak_memory_mib_per_rank": [p for p, _ in per_rank],
+        "ranks_agree": len({h for _, h in per_rank}) == 1,
     }
+
+
+def _time_interleaved(job: Job, group, inputs: _Inputs, report, publish) -> None:
+    import torch.distributed as dist
+
+    built, steps = [], {}
+    hashes: dict[str, list[str]] = {name: [] for name in job.candidates}
+    runs = {name: job.timed_runs(name) for name in job.candidates}
+    done = [0]
+
+    def advance(name: str, what: str) -> None:
+        done[0] += 1
+        report(name, done[0], what)
+
+    def on_run(name: str, out) -> None:
+        hashes[name].append(sha256(out))
+        advance(name, f"timed run {len(hashes[name])}/{runs[name]}")
+
+    try:
+        for name in job.candidates:
+            report(name, done[0], "building")
+            cand = candidates.create(name)
+            built.append(cand)
+            logits, target, ctx = inputs(cand, group)
+            fn = _logprobs_fn(cand, ctx)
+            steps[name] = lambda fn=fn, x=logits, t=target: fn(x, t)
+        with torch.no_grad():
+            for name, run in steps.items():
+                dist.barrier(group=group)
+                run()
+                measure.sync(inputs.device)
+                advance(name, "warm-up")
+            seconds = measure.interleaved(
+                steps,
+                runs,
+                seed=job.seed,
+                clock=measure.WallClock(inputs.device),
+                before=lambda: dist.barrier(group=group),
+                on_run=on_run,
+            )
+        per_rank = [None] * dist.get_world_size(group)
+        dist.all_gather_object(per_rank, seconds, group=group)
+        for name in job.candidates:
+            slowest = [max(s[name][i] for s in per_rank) for i in range(runs[name])]
+            publish(name, {"times_s": slowest, "hashes": hashes[name]})
+    finally:
+        for cand in built:
+            cand.teardown()
 
 
 def _batch_checks(fn, logits, target, rows, expect, job: Job, step) -> dict:
@@ -191,7 +269,7 @@ def _batch_checks(fn, logits, target, rows, expect, job: Job, step) -> dict:
         "permuted": permuted,
         "among_extra_rows": mixed_out[:n],
     }
-    return {k: _mismatches(v, expect) for k, v in variants.items()}
+    return {k: checks.differing_rows(v, expect) for k, v in variants.items()}
 
 
 def _settings_checks(fn, logits, target, rows, job: Job, step) -> dict:
@@ -203,16 +281,9 @@ def _settings_checks(fn, logits, target, rows, job: Job, step) -> dict:
         step(setting.name)
     base = outs["as_is"]
     return {
-        "mismatched_rows": {k: _mismatches(v, base) for k, v in outs.items()},
+        "mismatched_rows": {k: checks.differing_rows(v, base) for k, v in outs.items()},
         "float_all_reduces_per_call": counts["as_is"],
     }
-
-
-def _mismatches(actual: torch.Tensor, expected: torch.Tensor) -> int:
-    """Rows whose fp32 bits differ."""
-    a = actual.detach().to(torch.float32).contiguous().view(torch.int32)
-    b = expected.detach().to(torch.float32).contiguous().view(torch.int32)
-    return int((a != b).sum())
 
 
 def _cycle(values):
@@ -220,50 +291,40 @@ def _cycle(values):
         yield from values
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+# --- in the parent: a job in spawned worlds, one failure at a time ---
 
 
-class PeakMemory:
-    """Peak extra memory of this rank from construction to read(), in MiB.
+def run_candidates(
+    job: Job,
+    *,
+    backend: str,
+    timeout: float,
+    env: dict | None = None,
+    on_progress: Progress | None = None,
+) -> dict:
+    """{candidate: result or {"error", "traceback"?}} for every candidate of `job`.
 
-    CUDA: the allocator's peak. CPU: the peak resident set (VmHWM, reset through
-    /proc/self/clear_refs) minus the resident set at the start.
+    A world runs the candidates still to do; when one crashes or hangs, the world is
+    killed, that candidate gets the error (or the timeout) and a fresh world starts for
+    the ones after it: one bad candidate never stops the others.
     """
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-            self.base = torch.cuda.memory_allocated(device)
-        else:
-            _reset_hwm()
-            self.base = _proc_status_kib("VmRSS")
-
-    def read(self) -> float | None:
-        if self.device.type == "cuda":
-            return (torch.cuda.max_memory_allocated(self.device) - self.base) / 2**20
-        peak = _proc_status_kib("VmHWM")
-        if peak is None or self.base is None:
-            return None
-        return (peak - self.base) / 1024
-
-
-def _reset_hwm() -> None:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass  # then VmHWM is the process's lifetime peak, an upper bound
-
-
-def _proc_status_kib(key: str) -> int | None:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(key + ":"):
-                    return int(line.split()[1])
-    except OSError:
-        return None
-    return None
+    results: dict = {}
+    remaining = list(job.candidates)
+    while remaining:
+        this = replace(job, candidates=tuple(remaining))
+        with worlds.World(
+            job.tp, in_world, (this,), backend=backend, timeout=timeout, env=env,
+            threads=job.threads,
+        ) as world:  # fmt: skip
+            failure = world.wait(on_progress)
+            results.update(world.published())
+            failed = world.phase
+        todo = [n for n in remaining if n not in results]
+        if failure is not None and todo:
+            if failed not in todo:  # it failed between two candidates
+                failed = todo[0]
+            results[failed] = {"error": failure.error}
+            if failure.traceback:
+                results[failed]["traceback"] = failure.traceback[-4000:]
+        remaining = [n for n in remaining if n not in results]
+    return results

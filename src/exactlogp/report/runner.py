@@ -4,9 +4,10 @@
    that cannot run here are reported as {"unavailable": "<exception text>"}
 2. the shared workload: seeded logits and targets, written once; its fp64 truth
 3. per TP degree, spawned worlds (gloo on CPU; NCCL, one GPU per rank) run job.py's
-   measurements for the candidates one after another, each with its own timeout; a
-   crash or hang costs that candidate its result and the rest a fresh world
-   (under torchrun: the torchrun world, see torchrun.py)
+   checks for the candidates one after another, each with its own timeout; a crash or
+   hang costs that candidate its result and the rest a fresh world. Then one world
+   times the candidates that passed, interleaved: every candidate once per round, the
+   order shuffled per round (under torchrun: the torchrun world, see torchrun.py)
 4. on NCCL, a fresh world per NCCL setting for the setting check
 5. verdicts (checks.py), header, JSON validated against schema.py (assemble.py)
 """
@@ -22,10 +23,10 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from . import emulation
+from . import checks, emulation
 from .assemble import assemble, exit_status
+from .job import run_candidates
 from .session import Session
-from .worlds import run_candidates
 
 DEFAULT_CANDIDATES = (
     "exactlogp",
@@ -176,27 +177,39 @@ def _measure_tp(s: Session, tp: int, display) -> dict:
     job = s.job(names, tp)
     tasks = {}
 
-    def on_start(name):
-        tasks[name] = display.start(f"{name} TP{tp}", job.steps(name))
-
     def on_progress(name, done, what):
+        if name not in tasks:
+            tasks[name] = display.start(f"{name} TP{tp}", job.steps(name))
         display.advance(tasks[name], done, what)
 
     results = run_candidates(
-        job, backend=s.backend, timeout=s.opts.timeout_s, on_start=on_start, on_progress=on_progress
+        job, backend=s.backend, timeout=s.opts.timeout_s, on_progress=on_progress
     )
     for name in names:
         if name not in tasks:
-            on_start(name)
+            tasks[name] = display.start(f"{name} TP{tp}", job.steps(name))
         res = results[name]
         if "error" in res:
             status = f"[red]{res['error']}"
         elif "unavailable" in res:
             status = f"unavailable: {res['unavailable']}"
         else:
-            status = f"done in {res['wall_s']:.0f} s"
+            status = f"checked in {res['wall_s']:.0f} s"
         display.finish(tasks[name], status)
-    return results
+    passed = [n for n, res in results.items() if "error" not in res and "unavailable" not in res]
+    if not passed:
+        return results
+    timing = s.job(passed, tp, kind="timing")
+    task = display.start(f"timing TP{tp}, interleaved", timing.timing_steps())
+    timed = run_candidates(
+        timing,
+        backend=s.backend,
+        timeout=s.opts.timeout_s,
+        on_progress=lambda name, done, what: display.advance(task, done, f"{name}: {what}"),
+    )
+    failed = [f"{n}: {r['error']}" for n, r in timed.items() if "error" in r]
+    display.finish(task, f"[red]{'; '.join(failed)}" if failed else "done")
+    return s.with_timing(results, timed)
 
 
 def _nccl_settings(s: Session, tp: int, display) -> None:
@@ -206,7 +219,7 @@ def _nccl_settings(s: Session, tp: int, display) -> None:
     for setting in emulation.nccl_settings():
         task = display.start(f"TP{tp} NCCL {setting.name}", 1)
         got = run_candidates(
-            s.job(names, tp, full=False),
+            s.job(names, tp, kind="settings"),
             backend="nccl",
             timeout=s.opts.timeout_s,
             env=dict(setting.env),
@@ -217,14 +230,10 @@ def _nccl_settings(s: Session, tp: int, display) -> None:
     for n in names:
         base = outs[n]["nccl_default"]
         mismatched = {
-            name: -1 if out is None or base is None else _differing_rows(out, base)
+            name: -1 if out is None or base is None else checks.differing_rows(out, base)
             for name, out in outs[n].items()
         }  # -1: that setting's world failed for this candidate
         s.results[n][tp]["settings"] = {
             "mismatched_rows": mismatched,
             "float_all_reduces_per_call": s.results[n][tp]["float_all_reduces_per_call"],
         }
-
-
-def _differing_rows(a: torch.Tensor, b: torch.Tensor) -> int:
-    return int((a.view(torch.int32) != b.view(torch.int32)).sum())

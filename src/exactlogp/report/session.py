@@ -63,7 +63,7 @@ class Session:
             opts.tokens, opts.check_rows, opts.seed
         )
 
-    def job(self, names, tp: int, full: bool = True) -> Job:
+    def job(self, names, tp: int, kind: str = "checks") -> Job:
         return Job(
             candidates=tuple(names),
             data_path=self.data_path,
@@ -73,8 +73,8 @@ class Session:
             check_rows=tuple(self.check_rows),
             extra_rows=tuple(self.extra_rows),
             threads=self.threads[tp],
-            full=full,
-            emulate=full and self.backend == "gloo" and tp > 1,
+            kind=kind,
+            emulate=kind == "checks" and self.backend == "gloo" and tp > 1,
             seed=self.opts.seed,
         )
 
@@ -92,6 +92,21 @@ class Session:
                 continue
             names.append(name)
         return names
+
+    @staticmethod
+    def with_timing(checked: dict, timed: dict) -> dict:
+        """Each candidate's checks with its timed runs; a failed timing is its error."""
+        out = dict(checked)
+        for name, res in timed.items():
+            if "error" in res:
+                out[name] = {**res, "error": f"timing: {res['error']}"}
+            else:
+                out[name] = {
+                    **checked[name],
+                    "times_s": res["times_s"],
+                    "hashes": checked[name]["hashes"] + res["hashes"],
+                }
+        return out
 
     def record(self, tp: int, results: dict) -> None:
         """Store one TP degree's results; candidates found unavailable leave the run."""

@@ -29,7 +29,6 @@ def run_torchrun(opts, device: torch.device, display, null_display) -> tuple[dic
     if not dist.is_initialized():
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-            os.environ["EXACTLOGP_REPORT_DEVICE"] = "cuda"
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=opts.timeout_s))
     rank, world = dist.get_rank(), dist.get_world_size()
     tps = [tp for tp in sorted(set(opts.tp)) if world % tp == 0] or [1]
@@ -56,7 +55,7 @@ def run_torchrun(opts, device: torch.device, display, null_display) -> tuple[dic
 
 
 def _measure_tp(s: Session, tp: int, group, shown) -> None:
-    got = {}
+    got, passed = {}, []  # got: rank 0's results; passed: the same on every rank
     for name in s.applicable(tp):
         try:  # on every rank, so that all ranks drop the same candidates
             candidates.create(name).check_available(s.device)
@@ -65,9 +64,25 @@ def _measure_tp(s: Session, tp: int, group, shown) -> None:
             continue
         job = s.job([name], tp)
         task = shown.start(f"{name} TP{tp}", job.steps(name))
-        try:
-            run_job(group, job, lambda _n, d, w, t=task: shown.advance(t, d, w), got.__setitem__)
-        except Exception as exc:
-            got[name] = {"error": f"{type(exc).__name__}: {exc}"}
+        if _run(group, job, task, shown, got):
+            passed.append(name)
         shown.finish(task, got.get(name, {}).get("error", "done"))
+    if passed:
+        timing = s.job(passed, tp, kind="timing")
+        task = shown.start(f"timing TP{tp}, interleaved", timing.timing_steps())
+        timed: dict = {}
+        _run(group, timing, task, shown, timed)
+        shown.finish(task, "done")
+        got = s.with_timing(got, timed)
     s.record(tp, got)
+
+
+def _run(group, job, task, shown, got: dict) -> bool:
+    """run_job; False, and the error for every candidate without a result, if it raised."""
+    try:
+        run_job(group, job, lambda _n, d, w: shown.advance(task, d, w), got.__setitem__)
+    except Exception as exc:
+        for name in job.candidates:
+            got.setdefault(name, {"error": f"{type(exc).__name__}: {exc}"})
+        return False
+    return True

@@ -52,12 +52,19 @@ def save(path: str, logits: torch.Tensor, target: torch.Tensor) -> None:
 def load_shard(path: str, lo: int, width: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Columns [lo, lo + width) of the saved logits, -inf beyond the real vocabulary."""
     data = torch.load(path, mmap=True, weights_only=True)
-    logits, target = data["logits"], data["target"]
-    shard = torch.full((logits.shape[0], width), float("-inf"), dtype=logits.dtype)
+    return cut_shard(data["logits"], lo, width, vocab), data["target"].clone()
+
+
+def cut_shard(logits: torch.Tensor, lo: int, width: int, vocab: int) -> torch.Tensor:
+    """(N, width): columns [lo, lo + width) of the full (N, vocab) logits, -inf padding
+    beyond the real vocabulary (a fresh tensor on the logits' device)."""
+    shard = torch.full(
+        (logits.shape[0], width), float("-inf"), dtype=logits.dtype, device=logits.device
+    )
     real_hi = min(lo + width, vocab)
     if real_hi > lo:
         shard[:, : real_hi - lo] = logits[:, lo:real_hi]
-    return shard, target.clone()
+    return shard
 
 
 def reference_logprobs(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

@@ -1,8 +1,12 @@
-"""The candidates, registered by name. Each module says exactly what it runs.
+"""The candidates, registered by name: the one registry of the report, the bench, the
+GPU check and the tests. Each module says exactly what it runs.
 
-`create(name)` builds one by report name: a registered name, "exactlogp[BACKEND]" for
-exactlogp pinned to one backend, or "package.module:Class" for a candidate defined
-elsewhere (a Candidate subclass taking no arguments).
+`create(name)` makes one from a registered name, optionally with parameters in brackets
+("exactlogp[cpu,entropy]", "torch_full[row_block=all]": the class's `from_params`), or
+from "package.module:Class" for a candidate defined elsewhere.
+
+A new candidate is one module here (a `Candidate` subclass, see base.py) and one line in
+REGISTRY.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ import importlib
 import torch
 
 from ... import backends
-from .base import Candidate, ShardContext, Unavailable
+from .base import Candidate, ShardContext, Unavailable, logprobs_of
 
 REGISTRY: dict[str, str] = {
     "exactlogp": "exactlogp.report.candidates.exactlogp:ExactlogpCandidate",
@@ -24,6 +28,7 @@ REGISTRY: dict[str, str] = {
     "miles_fused": "exactlogp.report.candidates.miles_fused:MilesFused",
     "verl_fused": "exactlogp.report.candidates.verl_fused:VerlFused",
     "torch_full": "exactlogp.report.candidates.torch_full:TorchFull",
+    "torch_compile": "exactlogp.report.candidates.torch_compile:TorchCompile",
 }
 
 
@@ -31,19 +36,30 @@ def names() -> tuple[str, ...]:
     return tuple(REGISTRY)
 
 
-def create(name: str) -> Candidate:
-    if name.startswith("exactlogp[") and name.endswith("]"):
-        from .exactlogp import ExactlogpCandidate
+def split_names(text: str) -> tuple[str, ...]:
+    """Comma-separated candidate names; commas inside brackets belong to the name."""
+    names, depth, start = [], 0, 0
+    for i, ch in enumerate(text + ","):
+        depth += {"[": 1, "]": -1}.get(ch, 0)
+        if ch == "," and depth == 0:
+            names.append(text[start:i].strip())
+            start = i + 1
+    return tuple(n for n in names if n)
 
-        return ExactlogpCandidate(backend=name[len("exactlogp[") : -1])
-    spec = REGISTRY.get(name, name)
+
+def create(name: str) -> Candidate:
+    base, params = name, ()
+    if name.endswith("]") and "[" in name:
+        base, inside = name[:-1].split("[", 1)
+        params = tuple(p.strip() for p in inside.split(",") if p.strip())
+    spec = REGISTRY.get(base, base)
     if ":" not in spec:
         raise ValueError(f"candidate must be one of {names()} or 'module:Class', got {name!r}")
     module, attr = spec.split(":", 1)
-    candidate = getattr(importlib.import_module(module), attr)()
-    if not isinstance(candidate, Candidate):
-        raise TypeError(f"candidate {name!r} is a {type(candidate).__name__}, not a Candidate")
-    return candidate
+    cls = getattr(importlib.import_module(module), attr)
+    if not (isinstance(cls, type) and issubclass(cls, Candidate)):
+        raise TypeError(f"candidate {name!r} is a {getattr(cls, '__name__', cls)}, not a Candidate")
+    return cls.from_params(params)
 
 
 def expand(requested: list[str], device: torch.device) -> list[str]:
@@ -71,4 +87,13 @@ def other_backends(device: torch.device) -> list[str]:
     return found
 
 
-__all__ = ["Candidate", "ShardContext", "Unavailable", "create", "expand", "names"]
+__all__ = [
+    "Candidate",
+    "ShardContext",
+    "Unavailable",
+    "create",
+    "expand",
+    "logprobs_of",
+    "names",
+    "split_names",
+]

@@ -1,14 +1,26 @@
 """What a candidate is: a named way to turn vocab-sharded logits into selected logprobs.
 
+One interface for every tool: the report builds candidates in spawned gloo/NCCL worlds
+at every TP degree, the bench and the GPU check build them at TP1 on a process group of
+one rank (`report/tp1.py`), through the same `ShardContext`.
+
 The harness gives every candidate the same shared logits, cut into the shards its own
 framework would hold (each framework pads the vocabulary its own way; padding columns
 are -inf so they never change a softmax), and calls `build(ctx)` once inside a real
 torch.distributed world. The returned function maps one shard of rows to fp32 logprobs
-of the global targets; it must issue the same collectives on every rank.
+of the global targets (or a tuple whose first item they are, when the candidate computes
+more, such as the entropy); it must issue the same collectives on every rank. Where
+`supports_backward` is set, the function is differentiable with respect to the logits
+and `loss` gives the scalar a trainer would differentiate.
+
+`kind` is the workload a candidate takes: "logits" today. A fused LM-head candidate
+(hidden states and the head weight instead of logits) declares another kind; until the
+harness gives that workload, it is reported unavailable with the reason.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.metadata
 import warnings
@@ -17,7 +29,14 @@ from dataclasses import dataclass
 
 import torch
 
-LogprobFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (N, V_local), (N,) -> (N,)
+LogprobFn = Callable[[torch.Tensor, torch.Tensor], object]  # (N, V_local), (N,) -> (N,) or tuple
+
+# the workloads the harness can give, and what each candidate kind takes
+WORKLOADS = {
+    "logits": "vocab-parallel logits (N, V_local)",
+    "hidden_states": "hidden states and the LM-head weight (fused LM-head candidates)",
+}
+GIVEN = "logits"  # what the harness gives today
 
 
 class Unavailable(Exception):
@@ -45,11 +64,25 @@ class Candidate:
     name = "base"
     summary = ""  # one sentence: exactly what runs
     implementation = "real"  # "ours", "real" (third-party code) or "re-implementation"
+    kind = "logits"  # the workload it takes, a key of WORKLOADS
     tp1_only = False
-    max_timed_runs: int | None = None  # None: the report's --repeats
+    supports_backward = False  # build's function is differentiable w.r.t. the logits
+    max_timed_runs: int | None = None  # the report's cap on timed runs; None: --repeats
+    note: str | None = None  # shown beside the summary (why a re-implementation runs, say)
+
+    @classmethod
+    def from_params(cls, params: tuple[str, ...]) -> Candidate:
+        """The candidate named "name[p1,p2,...]"; a class without parameters takes none."""
+        if params:
+            raise ValueError(f"candidate {cls.name!r} takes no parameters, got {list(params)}")
+        return cls()
 
     def check_available(self, device: torch.device) -> None:
         """Raise Unavailable (cheaply, before any world is started) if this cannot run."""
+        if self.kind != GIVEN:
+            raise Unavailable(
+                f"{self.name} takes {WORKLOADS[self.kind]}; the harness gives {WORKLOADS[GIVEN]}"
+            )
 
     def padded_vocab(self, vocab_size: int, tp: int) -> int:
         """The vocabulary width this framework shards at this TP degree."""
@@ -60,13 +93,31 @@ class Candidate:
         return []
 
     def describe(self) -> dict:
-        return {"summary": self.summary, "implementation": self.implementation}
+        info = {"summary": self.summary, "implementation": self.implementation}
+        if self.note:
+            info["note"] = self.note
+        return info
 
     def build(self, ctx: ShardContext) -> LogprobFn:
         raise NotImplementedError
 
+    def loss(self, out) -> torch.Tensor:
+        """The scalar a trainer differentiates, from what build's function returned: the
+        cross-entropy of the targets, -sum(logprobs)."""
+        return -out.sum()
+
+    def scope(self):
+        """A context every call of this candidate runs in, its backward included (the
+        bench wraps backward in it; build's function enters it itself)."""
+        return contextlib.nullcontext()
+
     def teardown(self) -> None:
         """Undo global state set by `build` (parallel state, compiled graphs)."""
+
+
+def logprobs_of(out) -> torch.Tensor:
+    """The (N,) logprobs from what a candidate's function returned."""
+    return out[0] if isinstance(out, tuple) else out
 
 
 def round_up(value: int, multiple: int) -> int:
@@ -81,6 +132,29 @@ def import_or_unavailable(module: str):
             return importlib.import_module(module)
     except Exception as exc:  # a broken install can raise anything at import time
         raise Unavailable(f"{type(exc).__name__}: {exc}") from exc
+
+
+def real_attribute(module: str, attr: str):
+    """`module.attr` from the real package, or Unavailable saying why not."""
+    found = getattr(import_or_unavailable(module), attr, None)
+    if found is None:
+        raise Unavailable(f"{module} has no {attr}")
+    return found
+
+
+def real_or_reimplementation(
+    cand: Candidate, module: str, attr: str, real: str, reimplementation: str
+):
+    """`module.attr` where the real package provides it (`cand` then says it runs the real
+    code, summary `real`); else None, and `cand` says it runs the re-implementation and why."""
+    try:
+        found = real_attribute(module, attr)
+    except Unavailable as exc:
+        cand.implementation, cand.summary = "re-implementation", reimplementation
+        cand.note = f"real package not importable: {exc}"
+        return None
+    cand.implementation, cand.summary, cand.note = "real", real, None
+    return found
 
 
 def package_version(distribution: str) -> str | None:

@@ -41,7 +41,7 @@ class RLKernelWS2(Candidate):
         )
 
     def describe(self) -> dict:
-        return {**super().describe(), "details": {"num_tiles": NUM_TILES}, "note": self.note}
+        return {**super().describe(), "details": {"num_tiles": NUM_TILES}}
 
     def padded_vocab(self, vocab_size: int, tp: int) -> int:
         if NUM_TILES % tp:

@@ -1,6 +1,9 @@
 """torch_full: fp32 log_softmax of the full, unsharded logits on one device (TP1 only).
 
-The simplest baseline: what a single-device trainer computes.
+The simplest baseline: what a single-device trainer computes, in eager PyTorch. The
+report runs it in blocks of ROW_BLOCK rows (bounding the fp32 (rows, V) copy); the
+bench's eager baseline, "torch_full[row_block=all]", runs the whole batch at once, as a
+trainer would.
 """
 
 from __future__ import annotations
@@ -17,9 +20,26 @@ class TorchFull(Candidate):
     summary = "torch.log_softmax(fp32(logits), -1).gather(target) on the whole row, one device"
     implementation = "real"
     tp1_only = True
+    supports_backward = True
+
+    def __init__(self, row_block: int | None = ROW_BLOCK):
+        self.row_block = row_block
+        if row_block != ROW_BLOCK:
+            self.name = f"torch_full[row_block={row_block or 'all'}]"
+
+    @classmethod
+    def from_params(cls, params: tuple[str, ...]) -> TorchFull:
+        if not params:
+            return cls()
+        if len(params) != 1 or not params[0].startswith("row_block="):
+            raise ValueError(f"torch_full takes [row_block=ROWS or all], got {list(params)}")
+        value = params[0].removeprefix("row_block=")
+        if value != "all" and not (value.isdigit() and int(value) > 0):
+            raise ValueError(f"row_block must be a positive int or 'all', got {value!r}")
+        return cls(None if value == "all" else int(value))
 
     def describe(self) -> dict:
-        return {**super().describe(), "details": {"row_block": ROW_BLOCK}}
+        return {**super().describe(), "details": {"row_block": self.row_block or "all"}}
 
     def build(self, ctx: ShardContext):
         if ctx.tp != 1:
@@ -30,4 +50,4 @@ class TorchFull(Candidate):
             lp = torch.log_softmax(logits[:, :vocab].to(torch.float32), dim=-1)
             return lp.gather(-1, target.unsqueeze(-1)).squeeze(-1)
 
-        return in_row_blocks(run, ROW_BLOCK)
+        return run if self.row_block is None else in_row_blocks(run, self.row_block)

@@ -16,61 +16,46 @@ from __future__ import annotations
 
 import torch
 
-from .base import Candidate, ShardContext, Unavailable, import_or_unavailable, owned_target
-from .megatron_ce import MegatronCE, setup_megatron, teardown_megatron
+from .base import ShardContext, owned_target, real_or_reimplementation
+from .megatron import MegatronCandidate
 
 REAL_MODULE = "vime.utils.ppo_utils"
+REAL_FUNCTION = "calculate_log_probs_and_entropy"
 
 
-class VimeDefault(Candidate):
+class VimeDefault(MegatronCandidate):
     name = "vime_default"
+    package = "vime"
 
     def __init__(self):
-        try:
-            self._real = import_or_unavailable(REAL_MODULE).calculate_log_probs_and_entropy
-            self.implementation = "real"
-            self.summary = f"{REAL_MODULE}.calculate_log_probs_and_entropy (the real package)"
-            self.note = None
-        except (Unavailable, AttributeError) as exc:
-            self._real = None
-            self.implementation = "re-implementation"
-            self.summary = (
-                "re-implementation of vime's default calculate_log_probs_and_entropy: "
-                "all_reduce MAX, then float all_reduce SUM of sum-exp and of target logit"
-            )
-            self.note = f"real package not importable: {exc}"
-
-    def padded_vocab(self, vocab_size: int, tp: int) -> int:
-        return MegatronCE().padded_vocab(vocab_size, tp)
-
-    def describe(self) -> dict:
-        info = super().describe()
-        if self.note:
-            info["note"] = self.note
-        return info
+        self._real = real_or_reimplementation(
+            self,
+            REAL_MODULE,
+            REAL_FUNCTION,
+            real=f"{REAL_MODULE}.{REAL_FUNCTION} (the real package)",
+            reimplementation="re-implementation of vime's default calculate_log_probs_and_"
+            "entropy: all_reduce MAX, then float all_reduce SUM of sum-exp and of target logit",
+        )
 
     def third_party(self) -> list[dict]:
-        if self._real is None:
-            return []
-        from .base import package_version
-
-        return [{"name": "vime", "version": package_version("vime")}]
+        return super().third_party() if self._real is not None else []
 
     def build(self, ctx: ShardContext):
-        if self._real is not None:
-            setup_megatron(ctx)
-            real = self._real
+        if self._real is None:
+            return lambda logits, target: vime_default_logprobs(logits, target, ctx)
+        self.attach_megatron(ctx)
+        return on_megatron_ranks(self._real, ctx)
 
-            def run_real(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-                log_prob, _ = real(logits.clone(), target, ctx.group)
-                return log_prob.reshape(-1).float()
 
-            return run_real
-        return lambda logits, target: vime_default_logprobs(logits, target, ctx)
+def on_megatron_ranks(real, ctx: ShardContext):
+    """A `calculate_log_probs_and_entropy(logits, target, tp_group)` of the slime family
+    (vime, miles) as a candidate's function: it may work in place, so it gets a copy."""
 
-    def teardown(self) -> None:
-        if self._real is not None:
-            teardown_megatron()
+    def run(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        log_prob, _ = real(logits.clone(), target, ctx.group)
+        return log_prob.reshape(-1).float()
+
+    return run
 
 
 def vime_default_logprobs(logits: torch.Tensor, target: torch.Tensor, ctx: ShardContext):

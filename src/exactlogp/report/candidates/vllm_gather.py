@@ -14,11 +14,10 @@ import torch
 from .base import (
     Candidate,
     ShardContext,
-    Unavailable,
     all_gather_cat,
-    import_or_unavailable,
     in_row_blocks,
     package_version,
+    real_or_reimplementation,
     round_up,
 )
 
@@ -35,23 +34,20 @@ class VllmGather(Candidate):
     name = "vllm_gather"
 
     def __init__(self):
-        try:
-            sampler = import_or_unavailable(REAL_MODULE).Sampler
-            self._log_softmax = lambda x: sampler.compute_logprobs(x.to(torch.float32))
-            self.implementation = "real"
-            self.summary = (
-                "all_gather of the shards, then vLLM's Sampler.compute_logprobs (fp32 "
-                "log_softmax of the full row), gather"
-            )
-            self.note = None
-        except (Unavailable, AttributeError) as exc:
-            self._log_softmax = fp32_log_softmax
-            self.implementation = "re-implementation"
-            self.summary = (
-                "re-implementation of vLLM's path: all_gather the vocabulary shards, "
-                "fp32 log_softmax of the full row, gather the target"
-            )
-            self.note = f"real package not importable: {exc}"
+        sampler = real_or_reimplementation(
+            self,
+            REAL_MODULE,
+            "Sampler",
+            real="all_gather of the shards, then vLLM's Sampler.compute_logprobs (fp32 "
+            "log_softmax of the full row), gather",
+            reimplementation="re-implementation of vLLM's path: all_gather the vocabulary "
+            "shards, fp32 log_softmax of the full row, gather the target",
+        )
+        self._log_softmax = (
+            fp32_log_softmax
+            if sampler is None
+            else lambda x: sampler.compute_logprobs(x.to(torch.float32))
+        )
 
     def padded_vocab(self, vocab_size: int, tp: int) -> int:
         padded = round_up(vocab_size, VLLM_PAD_MULTIPLE)
@@ -60,11 +56,8 @@ class VllmGather(Candidate):
         return padded
 
     def describe(self) -> dict:
-        info = super().describe()
-        info["details"] = {"row_block": ROW_BLOCK, "pad_multiple": VLLM_PAD_MULTIPLE}
-        if self.note:
-            info["note"] = self.note
-        return info
+        details = {"row_block": ROW_BLOCK, "pad_multiple": VLLM_PAD_MULTIPLE}
+        return {**super().describe(), "details": details}
 
     def third_party(self) -> list[dict]:
         if self.implementation != "real":
