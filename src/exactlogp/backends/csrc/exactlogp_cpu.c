@@ -293,48 +293,47 @@ typedef struct {
     int divide;
 } grad_row;
 
-/* LANES gradients of columns that are not the target, in fp32 (contract.grad_block before
-   the NaN rows and the cast to dtype): p * (a - b q), or p * a; +0 without a term. */
-ELP_INLINE void grad_step(const v8f y8[V8], const v8i valid8[V8], const grad_row *g,
-                          const int entropy, v8f out8[V8]) {
-    v4d dz[V4], e[V4], out[V4];
+/* What both gradient formulas need of LANES columns: e (+0 without a term), p = e / fl(S)
+   and, with entropy, b q = b ((d - log S) + H). */
+ELP_INLINE void grad_terms(const v8f y8[V8], const v8i valid8[V8], const grad_row *g,
+                           const int entropy, v4d e[V4], v4d p[V4], v4d bq[V4]) {
+    v4d dz[V4];
     term_exps(y8, valid8, g->m, e, dz);
     for (int i = 0; i < V4; ++i) {
-        v4d p = e[i] / g->s_hi;
-        if (entropy) {
-            v4d bq = g->b * ((dz[i] - g->log_s) + g->h);
-            out[i] = p * (g->a - bq);
-        } else {
-            out[i] = p * g->a;
-        }
-        /* +0 without a term: term_exps leaves e = +0 exactly there, and a term's e is
-           at least exp(CUTOFF) > 0 */
-        out[i] = and4((v4l)(e[i] > 0.0), out[i]);
-        if (g->divide) out[i] = out[i] / g->tau;
+        p[i] = e[i] / g->s_hi;
+        if (entropy) bq[i] = g->b * ((dz[i] - g->log_s) + g->h);
     }
+}
+
+ELP_INLINE void finish_step(v4d out[V4], const grad_row *g, v8f out8[V8]) {
+    for (int i = 0; i < V4; ++i)
+        if (g->divide) out[i] = out[i] / g->tau;
     for (int q = 0; q < V8; ++q) out8[q] = narrow(out[2 * q], out[2 * q + 1]);
+}
+
+/* LANES gradients of columns that are not the target, in fp32 (contract.grad_block before
+   the NaN rows and the cast to dtype): p * (a - b q), or p * a; +0 without a term (there
+   term_exps leaves e = +0, and a term's e is at least exp(CUTOFF) > 0). */
+ELP_INLINE void grad_step(const v8f y8[V8], const v8i valid8[V8], const grad_row *g,
+                          const int entropy, v8f out8[V8]) {
+    v4d e[V4], p[V4], bq[V4], out[V4];
+    grad_terms(y8, valid8, g, entropy, e, p, bq);
+    for (int i = 0; i < V4; ++i)
+        out[i] = and4((v4l)(e[i] > 0.0), entropy ? p[i] * (g->a - bq[i]) : p[i] * g->a);
+    finish_step(out, g, out8);
 }
 
 /* The target column's gradient (lane 0 of a step loaded at the target): c (1 - p_t) +
    p_t (l - b q_t), with 1 - p_t = ((s_hi - e_t) + s_lo) / s_hi from the exact S. */
 ELP_INLINE void target_step(const v8f y8[V8], const v8i valid8[V8], const grad_row *g,
                             const int entropy, v8f out8[V8]) {
-    v4d dz[V4], e[V4], out[V4];
-    term_exps(y8, valid8, g->m, e, dz);
+    v4d e[V4], p[V4], bq[V4], out[V4];
+    grad_terms(y8, valid8, g, entropy, e, p, bq);
     for (int i = 0; i < V4; ++i) {
-        v4d p = e[i] / g->s_hi;
         v4d one_minus_p = ((g->s_hi - e[i]) + g->s_lo) / g->s_hi;
-        v4d gt;
-        if (entropy) {
-            v4d bq = g->b * ((dz[i] - g->log_s) + g->h);
-            gt = p * (g->l - bq);
-        } else {
-            gt = p * g->l;
-        }
-        out[i] = g->c * one_minus_p + gt;
-        if (g->divide) out[i] = out[i] / g->tau;
+        out[i] = g->c * one_minus_p + (entropy ? p[i] * (g->l - bq[i]) : p[i] * g->l);
     }
-    for (int q = 0; q < V8; ++q) out8[q] = narrow(out[2 * q], out[2 * q + 1]);
+    finish_step(out, g, out8);
 }
 
 /* ------------------------------------------------------------------ casts of the gradient */

@@ -199,6 +199,19 @@ def _owned_column(target_ptr, row, vocab_start, n_real, ignore_index):
     return owner, tl.where(owner, local, 0).to(tl.int32)
 
 
+@triton.jit
+def _row_span(x_ptr, keep_ptr, tau_ptr, stride_x, stride_keep, stride_tau, n_real,
+              cols_per_program, HAS_TAU: tl.constexpr):  # fmt: skip
+    """This program's row: (row, its logits, its keep mask, its temperature) and the
+    columns [start, stop) it covers (program_id(1) splits a long row)."""
+    row = tl.program_id(0)
+    row64 = row.to(tl.int64)
+    tau = tl.load(tau_ptr + row64 * stride_tau) if HAS_TAU else 1.0
+    start = tl.program_id(1) * cols_per_program
+    stop = tl.minimum(start + cols_per_program, n_real)
+    return row, x_ptr + row64 * stride_x, keep_ptr + row64 * stride_keep, tau, start, stop
+
+
 # --- 2. the max pass ---
 
 
@@ -218,14 +231,10 @@ def row_max_kernel(
     HAS_KEEP: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
-    row = tl.program_id(0)
-    part = tl.program_id(1)
-    row64 = row.to(tl.int64)
-    x_row = x_ptr + row64 * stride_x
-    keep_row = keep_ptr + row64 * stride_keep
-    tau = tl.load(tau_ptr + row64 * stride_tau) if HAS_TAU else 1.0
-    start = part * cols_per_program
-    stop = tl.minimum(start + cols_per_program, n_real)
+    row, x_row, keep_row, tau, start, stop = _row_span(
+        x_ptr, keep_ptr, tau_ptr, stride_x, stride_keep, stride_tau, n_real, cols_per_program,
+        HAS_TAU,
+    )  # fmt: skip
     offs = tl.arange(0, BLOCK_V)
     acc = tl.full([BLOCK_V], float("-inf"), tl.float32)
     for c0 in range(start, stop, BLOCK_V):
@@ -234,7 +243,8 @@ def row_max_kernel(
         y, valid = _scaled(x_row, keep_row, cols, in_range, tau, IS_BF16, HAS_TAU, HAS_KEEP)
         ok = valid & (y == y) & (y != float("inf"))  # NaN and +inf are counted, not maxed
         acc = tl.maximum(acc, tl.where(ok, y, float("-inf")))
-    tl.store(out_ptr + row64 * tl.num_programs(1) + part, tl.max(acc, axis=0))
+    slot = row.to(tl.int64) * tl.num_programs(1) + tl.program_id(1)
+    tl.store(out_ptr + slot, tl.max(acc, axis=0))
 
 
 # --- 3-5. the partials pass ---
@@ -262,15 +272,12 @@ def partials_kernel(
     WITH_ENTROPY: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
-    row = tl.program_id(0)
-    part = tl.program_id(1)
-    row64 = row.to(tl.int64)
-    x_row = x_ptr + row64 * stride_x
-    keep_row = keep_ptr + row64 * stride_keep
-    tau = tl.load(tau_ptr + row64 * stride_tau) if HAS_TAU else 1.0
+    row, x_row, keep_row, tau, start, stop = _row_span(
+        x_ptr, keep_ptr, tau_ptr, stride_x, stride_keep, stride_tau, n_real, cols_per_program,
+        HAS_TAU,
+    )  # fmt: skip
+    row64, part = row.to(tl.int64), tl.program_id(1)
     m64 = tl.load(max_ptr + row).to(tl.float64)
-    start = part * cols_per_program
-    stop = tl.minimum(start + cols_per_program, n_real)
     offs = tl.arange(0, BLOCK_V)
 
     e_hi = tl.zeros([], tl.int64)

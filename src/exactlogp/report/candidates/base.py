@@ -165,10 +165,14 @@ def package_version(distribution: str) -> str | None:
 
 
 def owned_target(target: torch.Tensor, ctx: ShardContext) -> tuple[torch.Tensor, torch.Tensor]:
-    """(owned (N,) bool, local column (N,) int64, 0 where not owned) of the global targets."""
-    local = target - ctx.vocab_start
-    owned = (local >= 0) & (local < ctx.shard_width)
-    return owned, torch.where(owned, local, torch.zeros_like(local))
+    """(owned (N,) bool, local column (N,) int64, 0 where not owned) of the global targets,
+    by the contract's ownership rule (the report's targets are all real, none ignored)."""
+    from ... import contract
+
+    local = contract.owned_target_columns(
+        target, ctx.vocab_start, ctx.shard_width, ctx.vocab_size, ignore_index=-100
+    )
+    return local >= 0, local.clamp(min=0)
 
 
 def all_gather_cat(tensor: torch.Tensor, ctx: ShardContext, dim: int = -1) -> torch.Tensor:
