@@ -35,7 +35,9 @@ from .api import Call, LogprobResult, device_of, prepare_call
 from .autograd import Forward, Options, forward_pipeline, once_differentiable, validate_rows
 
 ROW_BLOCK = 256  # rows per forward block: fixed, so every rank issues the same collectives
-WEIGHT_BLOCK_ELEMENTS = 1 << 22  # quantized weight rows per GEMM: at most 32 MiB of fp64
+LOGITS_BUDGET = 128 << 20  # bytes of fp32 logits computed per pass over the weight (at
+# least one block): several blocks share one quantization of the weight
+WEIGHT_BLOCK_ELEMENTS = 1 << 21  # quantized weight rows per GEMM: at most 16 MiB of fp64
 GRAD_BLOCK_ELEMENTS = 1 << 21  # backward temporaries per block of weight rows, per row
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -114,6 +116,7 @@ class _Weight:
     def __init__(self, weight, bias, scale: float, backend):
         self.weight, self.bias, self.scale, self.backend = weight, bias, scale, backend
         self.f, self.finite = lc.row_exponents(weight)
+        self.col_scale = lc.unit_scales(self.f, self.finite)
         h = max(weight.shape[1], 1)
         self.block = max(1, WEIGHT_BLOCK_ELEMENTS // h)
 
@@ -126,25 +129,25 @@ class _Weight:
         for rows in self.slices(size or self.block):
             yield rows, lc.quantize(self.weight[rows], self.f[rows], self.finite[rows])
 
-    def logits(self, a, e, finite_h, rows: slice, c) -> torch.Tensor:
+    def logits(self, a, row_scale, rows: slice, c, out=None) -> torch.Tensor:
         bias = None if self.bias is None else self.bias[rows]
         return lc.logits_block(
-            a, e, finite_h, c, self.f[rows], self.finite[rows], bias, self.scale,
-            self.backend.exact_dot,
-        )  # fmt: skip
+            a, row_scale, c, self.col_scale[rows], bias, self.scale, self.backend.exact_dot, out
+        )
 
 
 def _hidden(hidden):
+    """(integers, row scales 2^(e - 2 QBITS) or NaN) of hidden rows."""
     e, finite = lc.row_exponents(hidden)
-    return lc.quantize(hidden, e, finite), e, finite
+    return lc.quantize(hidden, e, finite), lc.unit_scales(e - 2 * lc.QBITS, finite)
 
 
 def _logits(hidden, w: _Weight) -> torch.Tensor:
     """(R, V_local) fp32: contract exactlogp-linear-v1 for these rows."""
-    a, e, finite = _hidden(hidden)
+    a, row_scale = _hidden(hidden)
     out = torch.empty(hidden.shape[0], w.weight.shape[0], dtype=torch.float32, device=a.device)
     for rows, c in w.blocks():
-        out[:, rows] = w.logits(a, e, finite, rows, c)
+        w.logits(a, row_scale, rows, c, out[:, rows])
     return out
 
 
@@ -192,13 +195,16 @@ class LinearSelectedLogprobsFunction(torch.autograd.Function):
         w = _Weight(weight, bias, lin.logit_scale, opts.backend)
         n = hidden.shape[0]
         fingerprint = hidden_fingerprint(hidden) if opts.group.distributed else None
+        per_pass = max(1, LOGITS_BUDGET // (4 * max(weight.shape[0], 1) * ROW_BLOCK)) * ROW_BLOCK
         parts = []
-        for r0 in range(0, n, ROW_BLOCK):
-            rows = slice(r0, min(n, r0 + ROW_BLOCK))
-            tau = temperature[rows] if isinstance(temperature, torch.Tensor) else temperature
-            fields = None if fingerprint is None else fingerprint[:, rows]
-            logits = _logits(hidden[rows], w)
-            parts.append(forward_pipeline(logits, target[rows], tau, None, opts, fields))
+        for p0 in range(0, n, per_pass):  # one pass over the weight for up to per_pass rows
+            logits = _logits(hidden[p0 : p0 + per_pass], w)
+            for r0 in range(p0, min(n, p0 + per_pass), ROW_BLOCK):  # the same on every rank
+                rows = slice(r0, min(n, r0 + ROW_BLOCK))
+                tau = temperature[rows] if isinstance(temperature, torch.Tensor) else temperature
+                fields = None if fingerprint is None else fingerprint[:, rows]
+                block = logits[r0 - p0 : rows.stop - p0]
+                parts.append(forward_pipeline(block, target[rows], tau, None, opts, fields))
             del logits
         forward = _combine(parts, n, hidden.device)
         if opts.validate:
@@ -227,12 +233,12 @@ class LinearSelectedLogprobsFunction(torch.autograd.Function):
             stats, ctx.scalar_temperature if temperature_tensor is None else temperature_tensor
         )
         w = _Weight(weight, bias, lin.logit_scale, opts.backend)
-        a, e, finite = _hidden(hidden)
+        a, row_scale = _hidden(hidden)
         grads = _Grads(hidden, w, ~stats.silent, ctx.needs_input_grad)
         block = _grad_block(hidden.shape[0])
 
         def dlogits(rows: slice, c) -> torch.Tensor:  # (N, P) fp64: dL/dz * logit_scale
-            z = w.logits(a, e, finite, rows, c)
+            z = w.logits(a, row_scale, rows, c)
             plan = _shifted(opts.plan, rows.start)
             g = opts.backend.grad(z, target, tau, None, stats, plan)
             return g.to(torch.float64) * lin.logit_scale
@@ -324,8 +330,8 @@ class _Grads:
         live = self.live & ~self.row_bad
         d1, d2 = lc.hidden_grad_slices(torch.where(torch.isfinite(y), y, 0.0), big, live)
         ct = c.transpose(0, 1)
-        self.z[0] += self.w.backend.exact_dot(d1, ct)
-        self.z[1] += self.w.backend.exact_dot(d2, ct)
+        self.z[0] += self.w.backend.exact_dot(d1, ct).to(torch.int64)  # exact integers
+        self.z[1] += self.w.backend.exact_dot(d2, ct).to(torch.int64)
 
     def hidden(self, big, group: distributed.Group | None = None) -> torch.Tensor | None:
         if not self.needs_hidden:
@@ -468,5 +474,48 @@ def linear_selected_logprobs(
     )
 
 
-__all__ = ["LOGITS_CONTRACT", "linear_logits", "linear_selected_logprobs"]
+class _GatherRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, shard, group):
+        import torch.distributed as dist
+
+        parts = [torch.empty_like(shard) for _ in range(group.size)]
+        dist.all_gather(parts, shard.contiguous(), group=group.handle)
+        ctx.rows = slice(group.rank * shard.shape[0], (group.rank + 1) * shard.shape[0])
+        return torch.cat(parts)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g[ctx.rows], None
+
+
+def gather_sequence_parallel(hidden_shard: torch.Tensor, tp_group) -> torch.Tensor:
+    """The whole (N, H) hidden states from this rank's sequence-parallel shard (N / TP, H),
+    for linear_selected_logprobs: all_gather in forward, and in backward this rank's slice
+    of the gradient -- the op already returns the whole hidden gradient on every rank, so a
+    reduce-scatter (Megatron's gather_from_sequence_parallel_region) would count it TP
+    times. Shards must have equal sizes (as sequence parallelism makes them)."""
+    group = distributed.resolve(tp_group)
+    if not group.distributed:
+        return hidden_shard
+    sizes = (
+        distributed.all_gather_int64(
+            torch.tensor([hidden_shard.shape[0]], device=hidden_shard.device), group
+        )
+        .flatten()
+        .tolist()
+    )
+    if len(set(sizes)) > 1:
+        raise ValueError(
+            f"sequence-parallel shards must have equal sizes, got {sizes} rows per rank"
+        )
+    return _GatherRows.apply(hidden_shard, group)
+
+
+__all__ = [
+    "LOGITS_CONTRACT",
+    "gather_sequence_parallel",
+    "linear_logits",
+    "linear_selected_logprobs",
+]
 LOGITS_CONTRACT = lc.LOGITS_CONTRACT
