@@ -205,7 +205,7 @@ class LinearSelectedLogprobsFunction(torch.autograd.Function):
                 fields = None if fingerprint is None else fingerprint[:, rows]
                 block = logits[r0 - p0 : rows.stop - p0]
                 parts.append(forward_pipeline(block, target[rows], tau, None, opts, fields))
-            del logits
+            del logits, block  # before the next pass allocates its own
         forward = _combine(parts, n, hidden.device)
         if opts.validate:
             validate_rows(forward, target, temperature, opts)
