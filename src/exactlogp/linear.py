@@ -176,7 +176,7 @@ class LinearLogitsFunction(torch.autograd.Function):
         hidden, weight, bias = ctx.saved_tensors
         w = _Weight(weight, bias, ctx.scale, ctx.backend)
         g = g_logits.to(torch.float64) * ctx.scale  # exact: fp32 * fp32
-        live = (g != 0).any(-1) | ~torch.isfinite(g).all(-1)
+        live = g.abs().amax(-1) != 0  # also true for NaN
         grads = _Grads(hidden, w, live, ctx.needs_input_grad)
         for rows in w.slices(_grad_block(hidden.shape[0])):
             grads.weight_block(rows, g[:, rows])
@@ -240,8 +240,8 @@ class LinearSelectedLogprobsFunction(torch.autograd.Function):
         def dlogits(rows: slice, c) -> torch.Tensor:  # (N, P) fp64: dL/dz * logit_scale
             z = w.logits(a, row_scale, rows, c)
             plan = _shifted(opts.plan, rows.start)
-            g = opts.backend.grad(z, target, tau, None, stats, plan)
-            return g.to(torch.float64) * lin.logit_scale
+            g = opts.backend.grad(z, target, tau, None, stats, plan).to(torch.float64)
+            return g if lin.logit_scale == 1.0 else g.mul_(lin.logit_scale)  # exact
 
         for rows, c in w.blocks(block):  # pass 1
             g = dlogits(rows, c)
@@ -285,14 +285,13 @@ class _Grads:
             self.finite_eps = torch.ones(0, dtype=torch.bool, device=dev)
             self.a_col = torch.zeros(n, 0, dtype=torch.float64, device=dev)
         self.row_max = torch.zeros(n, dtype=torch.float64, device=dev)
-        self.row_bad = torch.zeros(n, dtype=torch.bool, device=dev)
         self.z = torch.zeros(2, n, h, dtype=torch.int64, device=dev)
 
     def weight_block(self, rows: slice, g: torch.Tensor) -> None:
         if self.dw is None and self.db is None:
             return
         dw, db = lc.grad_weight_block(
-            g, self.live, self.a_col, self.eps, self.finite_eps, self.w.backend.exact_dot
+            g, self.a_col, self.eps, self.finite_eps, self.w.backend.exact_dot
         )
         if self.dw is not None:
             self.dw[rows] = dw.to(self.dw.dtype)
@@ -300,24 +299,22 @@ class _Grads:
             self.db[rows] = db.to(self.db.dtype)
 
     def track(self, rows: slice, g: torch.Tensor) -> None:
-        """The rows' largest |term| of the hidden gradient in this block (live rows)."""
-        if not self.needs_hidden:
+        """The rows' largest |term| of the hidden gradient in this block (NaN and inf
+        make it non-finite: the row's gradient is NaN)."""
+        if not self.needs_hidden or g.shape[-1] == 0:
             return
-        y = lc.hidden_grad_scaled(g, self.w.f[rows])
-        finite = torch.isfinite(y)
-        self.row_bad |= ~finite.all(-1) & self.live
-        mag = torch.where(finite, y.abs(), 0.0)
-        if y.shape[-1]:
-            self.row_max = torch.maximum(self.row_max, mag.amax(-1))
+        top = lc.hidden_grad_terms(g, self.w.f[rows]).abs().amax(-1)
+        self.row_max = torch.maximum(self.row_max, top)  # NaN propagates
 
     def grid(self, group: distributed.Group | None = None) -> torch.Tensor:
         """(N,) int64 G_n: 2^(G_n - 1) <= max over the whole vocabulary (all ranks) < 2^G_n;
-        a row with nothing (or NaN) anywhere gets 0. One all_reduce(MAX)."""
-        _, e = torch.frexp(self.row_max)
+        a row with nothing anywhere gets 0, a non-finite one is marked bad. One
+        all_reduce(MAX)."""
+        bad = ~torch.isfinite(self.row_max)
+        top = torch.where(bad, 0.0, self.row_max)
+        _, e = torch.frexp(top)
         none = -(1 << 40)
-        packed = torch.stack(
-            [torch.where(self.row_max > 0, e.to(torch.int64), none), self.row_bad.to(torch.int64)]
-        )
+        packed = torch.stack([torch.where(top > 0, e.to(torch.int64), none), bad.to(torch.int64)])
         if group is not None and group.distributed:
             import torch.distributed as dist
 
@@ -326,12 +323,11 @@ class _Grads:
         return torch.where(packed[0] == none, 0, packed[0])
 
     def hidden_block(self, rows: slice, c: torch.Tensor, g: torch.Tensor, big) -> None:
-        y = lc.hidden_grad_scaled(g, self.w.f[rows])
-        live = self.live & ~self.row_bad
-        d1, d2 = lc.hidden_grad_slices(torch.where(torch.isfinite(y), y, 0.0), big, live)
-        ct = c.transpose(0, 1)
-        self.z[0] += self.w.backend.exact_dot(d1, ct).to(torch.int64)  # exact integers
-        self.z[1] += self.w.backend.exact_dot(d2, ct).to(torch.int64)
+        """Adds this block's two slices of sum_v D[n, v] C[v, k] (a NaN row of g spoils
+        only its own row of the sums, which comes out NaN anyway)."""
+        d1, d2 = lc.hidden_grad_slices(lc.hidden_grad_terms(g, self.w.f[rows]), big)
+        self.z[0] += self.w.backend.exact_dot(d1, c.transpose(0, 1)).to(torch.int64)
+        self.z[1] += self.w.backend.exact_dot(d2, c.transpose(0, 1)).to(torch.int64)
 
     def hidden(self, big, group: distributed.Group | None = None) -> torch.Tensor | None:
         if not self.needs_hidden:

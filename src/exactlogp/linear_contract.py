@@ -166,33 +166,35 @@ def logits_block(
 #                                      ranks), in two 20-bit slices; one exact integer sum
 #                                      over the vocabulary, rounded once
 # Live rows are those with a gradient; the others take no part in any scale and add 0.
+# (The softmax contract gives them an exact +0 in every column, so g needs no masking; a
+# NaN in g only ever reaches outputs that are NaN anyway.)
 
 
-def grad_weight_block(g, live, a_col, eps, finite_eps, dot=exact_dot):
+def grad_weight_block(g, a_col, eps, finite_eps, dot=exact_dot):
     """(dW block (P, H) fp32, db block (P,) fp32) from g (R, P) fp64 (logit_scale folded
-    in) and a_col (R, H): h quantized per column (eps, finite_eps (H,)) over live rows."""
-    u, finite_u = column_exponents(g, live)
-    d = quantize(torch.where(live.unsqueeze(-1), g, 0.0), u, finite_u, dim=0)
-    z = dot(d.transpose(0, 1), a_col.transpose(0, 1))  # (P, H)
-    dw = round_scaled(z, u.unsqueeze(-1) + eps.unsqueeze(0) - 2 * QBITS)
-    db = round_scaled(d.sum(0), u - QBITS)  # fp64 sums of <= 2^20-sized integers: exact
-    nan = torch.full((), float("nan"), device=dw.device)
-    dw = torch.where(finite_u.unsqueeze(-1) & finite_eps.unsqueeze(0), dw, nan)
-    return dw, torch.where(finite_u, db, nan)
+    in; +0 on the rows without gradient) and a_col (R, H): h quantized per column (eps,
+    finite_eps (H,)) over the live rows."""
+    u, finite_u = row_exponents(g.transpose(0, 1))
+    d = torch.round(g * contract.pow2(QBITS - u).unsqueeze(0))  # exact; |d| <= 2^20
+    z = odd53(dot(d.transpose(0, 1), a_col.transpose(0, 1)))  # (P, H)
+    dw = z.mul_(unit_scales(u - QBITS, finite_u).unsqueeze(-1))  # exact scalings, NaN marks
+    dw = dw.mul_(unit_scales(eps - QBITS, finite_eps).unsqueeze(0)).to(torch.float32)
+    db = d.sum(0) * unit_scales(u - QBITS, finite_u)  # exact: sums of <= 2^20-sized integers
+    return dw, db.to(torch.float32)
 
 
-def hidden_grad_scaled(g: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
-    """y' = g 2^(f_v - QBITS) (R, P) fp64: the hidden gradient's terms on C's integers."""
+def hidden_grad_terms(g: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
+    """y = g 2^(f_v - QBITS) (R, P) fp64, exact: the hidden gradient's terms on C's
+    integers (W = 2^(f_v - QBITS) C)."""
     return g * contract.pow2(f - QBITS).unsqueeze(0)
 
 
-def hidden_grad_slices(y: torch.Tensor, big: torch.Tensor, live: torch.Tensor):
-    """(D1, D2) integer-valued fp64 with y 2^(2 QBITS - G) = D1 2^QBITS + D2, rounded to
-    even; 0 <= D2 < 2^QBITS, |D1| <= 2^QBITS. `big` (R,) is G_n."""
-    scale = contract.pow2(2 * QBITS - big).unsqueeze(-1)
-    d = (torch.where(live.unsqueeze(-1), y, 0.0) * scale + contract.MAGIC) - contract.MAGIC
-    d1 = torch.floor(d * 2.0**-QBITS)
-    return d1, d - d1 * 2.0**QBITS
+def hidden_grad_slices(y: torch.Tensor, big: torch.Tensor):
+    """(D1, D2) integer-valued fp64 with rint_even(y 2^(2 QBITS - G)) = D1 2^QBITS + D2;
+    0 <= D2 < 2^QBITS, |D1| <= 2^QBITS. `big` (R,) is G_n (|y| < 2^G_n)."""
+    d = torch.round(y * contract.pow2(2 * QBITS - big).unsqueeze(-1))  # exact; <= 2^40
+    d2 = torch.remainder(d, float(1 << QBITS))  # exact for integers, in [0, 2^20)
+    return (d - d2) * 2.0**-QBITS, d2
 
 
 def hidden_grad_round(z1: torch.Tensor, z2: torch.Tensor, big: torch.Tensor) -> torch.Tensor:
