@@ -23,8 +23,9 @@ Logprob methods, each run on both sides, for an LM head in bf16 and in fp32:
 Two sources of mismatch are kept apart, token by token: the model body (outside this
 library) may already hand the two sides different hidden states -- Qwen3-Next decodes its
 linear-attention layers with the recurrent rule and prefills with the chunked one, and
-the body's matmuls see other shapes -- and given bitwise-equal hidden states, the LM head
-and the logprob stage. The table reports every method on both groups of tokens.
+the body's matmuls see other shapes -- and, given a bitwise-equal LM-head input (the final
+hidden state in the head's dtype), the LM head and the logprob stage. The table reports
+every method on both groups of tokens.
 
     python examples/train_rollout_parity.py                 # the default run below
     python examples/train_rollout_parity.py --scored bf16,fp32   # score the fp32 body too
@@ -57,7 +58,7 @@ BASELINE = "(c) Megatron CE TP4 / vLLM TP1"
 TRL = "(d) TRL selective_log_softmax"
 LOGITS = "    logits, own torch head"  # a row of the table, not a method
 METHODS = (EXACT, TORCH, BASELINE, TRL)
-EQUAL, DIFFER = "equal", "differ"  # the two groups of tokens, by their hidden states
+EQUAL, DIFFER = "equal", "differ"  # the two groups of tokens, by their LM-head input
 
 
 @dataclass(frozen=True)
