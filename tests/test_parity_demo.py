@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -132,3 +133,21 @@ def test_trl_absent_is_said_not_hidden(demo, monkeypatch):
     monkeypatch.setitem(sys.modules, "trl", None)  # import trl raises ImportError
     fn, why = demo.trl_selective_log_softmax()
     assert fn is None and "trl" in why
+
+
+def test_trl_present_is_scored_on_the_rollout(demo, monkeypatch):
+    def selective_log_softmax(logits, index):  # TRL's definition, in torch
+        return logits.float().log_softmax(-1).gather(-1, index[..., None]).squeeze(-1)
+
+    utils = types.ModuleType("trl.trainer.utils")
+    utils.selective_log_softmax = selective_log_softmax
+    for name in ("trl", "trl.trainer"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "trl.trainer.utils", utils)
+    score, _, missing = demo.rollout_scorers(5000)
+    assert missing is None
+    gen = torch.Generator().manual_seed(1)
+    hidden, weight = torch.randn(3, 16, generator=gen), torch.randn(5000, 16, generator=gen)
+    tokens = torch.tensor([0, 17, 4999])
+    logits, out = score(hidden, weight, tokens)
+    assert torch.equal(out[demo.TRL], selective_log_softmax(logits, tokens))
