@@ -1,4 +1,5 @@
-# Two commands do everything on a fresh machine: `make report` and `make test`.
+# Two commands do everything on a fresh machine: `make report` and `make test`; `make demo`
+# runs the train-rollout parity demo.
 # `make setup` is the idempotent set-up both use: a .venv in the repository root with
 # torch and the package installed editable with its extras (tests, report, integrations).
 
@@ -10,7 +11,7 @@ EXTRAS ?= test,dev,report,bench,megatron,examples
 REPORT_ARGS ?=
 STAMP := $(VENV)/.exactlogp-setup
 
-.PHONY: setup test lint format report clean
+.PHONY: setup test lint format report demo clean
 
 setup: $(STAMP)
 
@@ -35,6 +36,13 @@ lint: setup
 # and reports/prior_art.md. REPORT_ARGS="--preset quick" for a one-minute run.
 report: setup
 	$(VENV)/bin/exactlogp report $(REPORT_ARGS)
+
+# The train-rollout parity demo at its default size (examples/train_rollout_parity.py):
+# a TP1 rollout decoding with its cache vs a gloo TP4 trainer with megatron-core, each with
+# its own forward passes and LM head. DEMO_ARGS="--scored bf16,fp32" scores the fp32 body too.
+DEMO_ARGS ?=
+demo: setup
+	$(PY) examples/train_rollout_parity.py $(DEMO_ARGS)
 
 format: setup
 	$(VENV)/bin/ruff format src tests examples

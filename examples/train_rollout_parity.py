@@ -1,70 +1,126 @@
-"""Train/rollout logprob parity, end to end, on the Qwen3-Next architecture.
+"""Train/rollout logprob parity as RL systems compute it: each side runs its own forward
+passes and its own LM head.
 
-A Qwen3-Next model (transformers' `Qwen3NextConfig` with small hidden sizes, the real
-151936-token vocabulary, random weights built here from a seed: nothing is downloaded)
-samples a batch of sequences; one forward pass over them gives the final hidden states at
-the sampled positions. Both sides get these same hidden states, so the demo isolates the
-LM head and the logprob stage (the transformer body's own invariance is another matter).
+A Qwen3-Next model (transformers' `Qwen3NextConfig` at small width, the real 151936-token
+vocabulary, random weights built here from a seed: nothing is downloaded) plays both sides.
 
-- rollout: the full LM head (TP=1) and exactlogp.
-- trainer: the LM head split over a gloo world of TP=4 processes as Megatron splits it
-  (vocabulary rows, padded with zero rows to a multiple of 128 * TP), each rank
-  multiplying by its own weight shard; logprobs from
-    * exactlogp,
-    * megatron-core's real `vocab_parallel_cross_entropy` (padding masked to -inf, and
-      padding included as Megatron includes it),
-    * a vLLM-style all-gather + fp32 log_softmax (a small re-implementation).
+- rollout (TP=1): decodes a batch of prompts with its cache (K/V for the full-attention
+  layer, conv and recurrent state for the gated-delta-net layers); sequence i stops after
+  `new_tokens - stagger * i` tokens, so the decode batch shrinks as sequences finish. At
+  every step it samples a token and records, from that step's hidden states and at that
+  step's batch size, the token's logprob by every method below.
+- trainer (TP=4, a real gloo process group): one prefill pass over the finished sequences
+  (batch = all of them), then the LM head split over the vocabulary as Megatron splits it
+  (rows padded with zeros to a multiple of 128 * TP), each rank multiplying by its shard.
 
-It first checks whether the trainer's sharded logits equal the rollout's, column by
-column; then prints per method the tokens whose logprob is bitwise equal to the rollout's,
-the largest |difference| and the mean K3 KL estimate (k3 = exp(r) - 1 - r, r = rollout -
-trainer logprob), and each method's own TP=4 vs TP=1 agreement on identical logits.
+Logprob methods, each run on both sides, for an LM head in bf16 and in fp32:
+  (a) exactlogp.linear_selected_logprobs on each side's own hidden states (exact logits);
+  (b) each side's own torch LM head (a matmul) + exactlogp.selected_logprobs;
+  (c) the usual pair: megatron-core's vocab_parallel_cross_entropy on the trainer's shards
+      vs a vLLM-style fp32 log_softmax of the rollout's logits;
+  (d) TRL's selective_log_softmax on each side's full logits, when TRL imports.
 
-    python examples/train_rollout_parity.py [--batch 8 --prompt-len 16 --new-tokens 32]
+Two sources of mismatch are kept apart, token by token: the model body (outside this
+library) may already hand the two sides different hidden states -- Qwen3-Next decodes its
+linear-attention layers with the recurrent rule and prefills with the chunked one, and
+the body's matmuls see other shapes -- and, given a bitwise-equal LM-head input (the final
+hidden state in the head's dtype), the LM head and the logprob stage. The table reports
+every method on both groups of tokens.
+
+    python examples/train_rollout_parity.py                 # the default run below
+    python examples/train_rollout_parity.py --scored bf16,fp32   # score the fp32 body too
 """
 
 from __future__ import annotations
 
 import argparse
+import math
+import textwrap
+import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 
 import torch
 import torch.nn.functional as F
 
-from exactlogp import selected_logprobs
+from exactlogp import linear_selected_logprobs, selected_logprobs
 from exactlogp.integrations.megatron import megatron_padded_vocab_size
+from exactlogp.report.candidates.base import ShardContext, Unavailable, real_attribute
+from exactlogp.report.candidates.megatron_ce import MegatronCE
+from exactlogp.report.candidates.vllm_gather import VllmGather
 from exactlogp.testing import run_gloo_world
 
 VOCAB = 151936  # Qwen3-Next's real vocabulary
-EXACT = "exactlogp"
-MEGATRON_MASKED = "megatron-core CE, padding masked to -inf"
-MEGATRON_PADDED = "megatron-core CE, padding included"
-GATHER = "vLLM-style gather + log_softmax (re-impl.)"
-METHODS = (EXACT, MEGATRON_MASKED, MEGATRON_PADDED, GATHER)
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+EXACT = "(a) exact fused LM head"
+TORCH = "(b) torch LM head + exactlogp"
+BASELINE = "(c) Megatron CE TP4 / vLLM TP1"
+TRL = "(d) TRL selective_log_softmax"
+LOGITS = "    logits, own torch head"  # a row of the table, not a method
+METHODS = (EXACT, TORCH, BASELINE, TRL)
+EQUAL, DIFFER = "equal", "differ"  # the two groups of tokens, by their LM-head input
 
 
 @dataclass(frozen=True)
 class DemoConfig:
     batch: int = 8
     prompt_len: int = 16
-    new_tokens: int = 32
+    new_tokens: int = 32  # the first sequence's; sequence i gets new_tokens - stagger * i
+    stagger: int = 2
     layers: int = 4
     hidden: int = 128
+    vocab: int = VOCAB
     tp: int = 4
     seed: int = 0
     # LM-head init std: logits then spread like a trained model's (std ~ 0.2 * sqrt(hidden)),
     # so sampled tokens range from near-certain to unlikely.
     head_std: float = 0.2
+    bodies: tuple[str, ...] = ("bf16", "fp32")  # bodies whose hidden states are compared
+    scored: tuple[str, ...] = ("bf16",)  # bodies whose logprobs are compared, every head
+    heads: tuple[str, ...] = ("bf16", "fp32")  # LM-head dtypes
+
+    def lengths(self) -> list[int]:
+        """Sampled tokens per sequence (a batch's requests differ in max_tokens; a model
+        with random weights practically never samples its end-of-text token)."""
+        return [max(1, self.new_tokens - self.stagger * i) for i in range(self.batch)]
 
 
 @dataclass(frozen=True)
-class MethodStats:
-    method: str
-    equal: int  # tokens whose logprob is bitwise equal to the reference's
-    total: int
+class Stats:
+    tokens: int
+    equal: int  # tokens whose value is bitwise equal on both sides
     max_abs_diff: float
-    mean_k3: float
+    mean_ratio_dev: float  # mean |exp(lp_train - lp_rollout) - 1|; NaN for the logits row
+    max_ratio_dev: float
+    mean_k3: float  # k3 = r - 1 - log r, r = exp(lp_train - lp_rollout): KL(rollout||train)
+
+
+@dataclass(frozen=True)
+class Row:
+    body: str
+    head: str
+    method: str  # one of METHODS, or LOGITS
+    group: str  # EQUAL or DIFFER
+    stats: Stats
+
+
+@dataclass(frozen=True)
+class HiddenAgreement:
+    body: str
+    tokens: int
+    equal: int  # tokens whose final hidden state is bitwise equal on both sides
+    first_equal: int  # of those, tokens sampled right after the prompt prefill
+    first_tokens: int
+    max_abs_diff: float
+
+
+@dataclass
+class Side:
+    """One side's record, one row per sampled token (sequence-major)."""
+
+    hidden: torch.Tensor  # (T, H) the body's final hidden states, the LM head's input
+    logprobs: dict = field(default_factory=dict)  # (head, method) -> (T,) fp32
+    logits: dict = field(default_factory=dict)  # head -> (T, V) the own torch head's
 
 
 @dataclass(frozen=True)
@@ -72,17 +128,23 @@ class DemoResult:
     config: DemoConfig
     num_tokens: int
     padded_vocab: int
-    logits_equal_columns: int  # columns of the sharded logits bitwise equal to the full ones
-    logits_mismatched_elements: int
-    logits_max_abs_diff: float
-    vs_rollout: dict[str, MethodStats]  # trainer (own sharded matmul) vs rollout
-    tp_invariance: dict[str, MethodStats]  # each method, TP=tp vs TP=1, on the rollout's logits
+    hidden: dict[str, HiddenAgreement]
+    rows: list[Row]
+    vllm_impl: str  # what (c)'s rollout side ran
+    trl: str | None  # why (d) did not run, None if it did
+    seconds: float
+
+    def stats(self, body: str, head: str, method: str, group: str) -> Stats:
+        for r in self.rows:
+            if (r.body, r.head, r.method, r.group) == (body, head, method, group):
+                return r.stats
+        raise KeyError((body, head, method, group))
 
 
-# --- the model and the sampled batch ---
+# --- the model ---
 
 
-def build_model(cfg: DemoConfig):
+def build_model(cfg: DemoConfig, dtype: torch.dtype):
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
     # Qwen3-Next's layout at small width: gated-delta-net (linear attention) layers with a
@@ -92,7 +154,7 @@ def build_model(cfg: DemoConfig):
         for i in range(cfg.layers)
     ]
     config = Qwen3NextConfig(
-        vocab_size=VOCAB, hidden_size=cfg.hidden, intermediate_size=2 * cfg.hidden,
+        vocab_size=cfg.vocab, hidden_size=cfg.hidden, intermediate_size=2 * cfg.hidden,
         num_hidden_layers=cfg.layers, layer_types=layer_types, num_attention_heads=4,
         num_key_value_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
         linear_key_head_dim=32, linear_value_head_dim=32, num_experts=8, num_experts_per_tok=2,
@@ -100,188 +162,361 @@ def build_model(cfg: DemoConfig):
         max_position_embeddings=cfg.prompt_len + cfg.new_tokens,
     )  # fmt: skip
     torch.manual_seed(cfg.seed)  # transformers initializes from the global generator
-    model = Qwen3NextForCausalLM(config).eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # absent optional kernels: the torch paths run
+        model = Qwen3NextForCausalLM(config).eval()
     head = torch.Generator().manual_seed(cfg.seed + 1)
     with torch.no_grad():
         model.lm_head.weight.normal_(0.0, cfg.head_std, generator=head)
-    return model
+    return model.to(dtype)
 
 
-@torch.no_grad()
-def final_hidden(model, ids: torch.Tensor) -> torch.Tensor:
-    """(B, S, H) bf16: the hidden states the LM head reads, as a bf16 run hands them over."""
-    return model.model(input_ids=ids).last_hidden_state.to(torch.bfloat16)
+def offsets_of(lengths: list[int]) -> torch.Tensor:
+    """(B,) the row of each sequence's first sampled token in the (T, ...) records."""
+    return torch.tensor([0, *lengths[:-1]]).cumsum(0)
 
 
-@torch.no_grad()
-def sample_batch(model, weight: torch.Tensor, cfg: DemoConfig):
-    """(hidden (T, H) bf16, targets (T,)): the sampled tokens and the states that scored them."""
-    gen = torch.Generator().manual_seed(cfg.seed + 2)
-    ids = torch.randint(0, VOCAB, (cfg.batch, cfg.prompt_len), generator=gen)
-    for _ in range(cfg.new_tokens):
-        logits = F.linear(final_hidden(model, ids)[:, -1], weight).float()  # (B, V)
-        ids = torch.cat([ids, torch.multinomial(logits.softmax(-1), 1, generator=gen)], dim=1)
-    hidden = final_hidden(model, ids)[:, cfg.prompt_len - 1 : -1]  # (B, G, H)
-    return hidden.reshape(-1, cfg.hidden), ids[:, cfg.prompt_len :].reshape(-1)
+# --- the rollout: TP=1, one decode step at a time ---
 
 
-# --- the trainer: one process per TP rank ---
+def rollout_scorers(vocab: int):
+    """The rollout's logprob methods on one decode step: (A, H) hidden, (V, H) weight,
+    (A,) sampled tokens -> ((A, V) own logits, {method: (A,) logprobs}); and how (c) runs."""
+    vllm = VllmGather()  # vLLM's own Sampler when it imports, else the re-implementation
+    ctx = ShardContext(0, 1, None, torch.device("cpu"), vocab, vocab, 0)
+    vllm_logprobs = vllm.build(ctx)
+    trl_logprobs, trl_missing = trl_selective_log_softmax()
 
-
-def _trainer_rank(rank, world_size, group, hidden, weight_padded, rollout_padded, targets):
-    warnings.filterwarnings("ignore")  # megatron-core warns about absent optional packages
-    import torch.distributed as dist
-    from megatron.core import parallel_state, tensor_parallel
-
-    width = weight_padded.shape[0] // world_size
-    cols = slice(rank * width, (rank + 1) * width)
-    padding = torch.arange(rank * width, (rank + 1) * width) >= VOCAB
-    # What Megatron's ColumnParallelLinear output layer computes on this rank.
-    own = F.linear(hidden, weight_padded[cols])  # (T, width)
-
-    def methods(shard):
-        return {
-            EXACT: selected_logprobs(shard, targets, tp_group=group, vocab_size=VOCAB).logprobs,
-            MEGATRON_MASKED: -tensor_parallel.vocab_parallel_cross_entropy(
-                shard.masked_fill(padding, float("-inf")), targets
-            ),
-            MEGATRON_PADDED: -tensor_parallel.vocab_parallel_cross_entropy(shard.clone(), targets),
-            GATHER: _gather_log_softmax(shard, targets, world_size, group, dist),
+    def score(hidden, weight, tokens):
+        logits = F.linear(hidden, weight)  # (A, V): the rollout's LM head at this batch size
+        out = {
+            EXACT: linear_selected_logprobs(hidden, weight, tokens).logprobs,
+            TORCH: selected_logprobs(logits, tokens).logprobs,
+            BASELINE: vllm_logprobs(logits, tokens),
         }
+        if trl_logprobs is not None:
+            out[TRL] = trl_logprobs(logits, tokens)
+        return logits, out
 
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=world_size)
-    out = {"logits": own, "own": methods(own), "same": methods(rollout_padded[:, cols])}
-    parallel_state.destroy_model_parallel()
-    # Megatron at TP=1, on the rollout's logits (every rank is its own group of one).
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
-    full_padding = torch.arange(rollout_padded.shape[1]) >= VOCAB
-    out["tp1"] = {
-        MEGATRON_MASKED: -tensor_parallel.vocab_parallel_cross_entropy(
-            rollout_padded.masked_fill(full_padding, float("-inf")), targets
-        ),
-        MEGATRON_PADDED: -tensor_parallel.vocab_parallel_cross_entropy(
-            rollout_padded.clone(), targets
-        ),
-    }
-    parallel_state.destroy_model_parallel()
-    return out
+    return score, vllm.summary, trl_missing
 
 
-def _gather_log_softmax(shard, targets, world_size, group, dist):
-    """vLLM-style (re-implemented): gather the whole row, drop padding, fp32 log_softmax."""
-    parts = [torch.empty_like(shard) for _ in range(world_size)]
-    dist.all_gather(parts, shard.contiguous(), group=group)
-    full = torch.cat(parts, dim=-1)[:, :VOCAB]
-    return full.float().log_softmax(-1).gather(-1, targets[:, None]).squeeze(-1)
+def trl_selective_log_softmax():
+    """(TRL's selective_log_softmax, None), or (None, why not)."""
+    try:
+        return real_attribute("trl.trainer.utils", "selective_log_softmax"), None
+    except Unavailable as exc:
+        return None, str(exc)
+
+
+@torch.no_grad()
+def rollout(model, prompts, lengths, weights: dict, score, gen) -> tuple[torch.Tensor, Side]:
+    """Decode with the cache, sampling from the body-dtype LM head; returns the sampled
+    tokens (T,) and the record, every value computed at its sampling step."""
+    num_tokens, vocab = sum(lengths), model.lm_head.weight.shape[0]
+    limit, row0 = torch.tensor(lengths), offsets_of(lengths)
+    tokens = torch.empty(num_tokens, dtype=torch.int64)
+    side = Side(torch.empty(num_tokens, model.config.hidden_size, dtype=model.dtype))
+    for head, w in weights.items():
+        side.logits[head] = torch.empty(num_tokens, vocab, dtype=w.dtype)
+        for method in METHODS:
+            side.logprobs[head, method] = torch.empty(num_tokens)
+    active = torch.arange(len(lengths))  # the sequences still decoding
+    out = model.model(input_ids=prompts, use_cache=True)  # the prompt prefill
+    for step in range(max(lengths)):
+        h = out.last_hidden_state[:, -1]  # (A, H): what the LM head reads at this step
+        probs = F.linear(h, model.lm_head.weight).float().softmax(-1)
+        sampled = torch.multinomial(probs, 1, generator=gen).squeeze(-1)  # (A,)
+        rows = row0[active] + step
+        tokens[rows], side.hidden[rows] = sampled, h
+        for head, w in weights.items():
+            logits, logprobs = score(h.to(w.dtype), w, sampled)
+            side.logits[head][rows] = logits
+            for method, lp in logprobs.items():
+                side.logprobs[head, method][rows] = lp
+        going = step + 1 < limit[active]
+        if not going.any():
+            break
+        if not going.all():  # drop the finished rows from every layer's cache
+            keep = going.nonzero().squeeze(-1)
+            out.cache.reorder_cache(keep)
+            active, sampled = active[keep], sampled[keep]
+        out = model.model(input_ids=sampled[:, None], cache=out.cache, use_cache=True)
+    return tokens, side
+
+
+# --- the trainer: one prefill pass, then TP ranks ---
+
+
+@torch.no_grad()
+def prefill(model, prompts, tokens, lengths) -> torch.Tensor:
+    """(T, H): the final hidden states at the sampled positions, from one forward pass over
+    the finished sequences (right-padded; causal, so padding changes no earlier position)."""
+    batch, prompt_len = prompts.shape
+    ids = torch.zeros(batch, prompt_len + max(lengths), dtype=torch.int64)
+    ids[:, :prompt_len] = prompts
+    row0 = offsets_of(lengths)
+    for i, n in enumerate(lengths):
+        ids[i, prompt_len : prompt_len + n] = tokens[row0[i] : row0[i] + n]
+    states = model.model(input_ids=ids).last_hidden_state  # (B, S, H)
+    # position prompt_len - 1 + t reads the prefix that sampled token t
+    return torch.cat(
+        [states[i, prompt_len - 1 : prompt_len - 1 + n] for i, n in enumerate(lengths)]
+    )
+
+
+def _trainer_rank(rank, world_size, group, vocab, jobs):
+    """Each job's LM head and logprobs on this rank's vocabulary shard."""
+    warnings.filterwarnings("ignore")  # megatron-core warns about absent optional packages
+    padded = jobs[0]["weight"].shape[0]
+    width = padded // world_size
+    cols = slice(rank * width, (rank + 1) * width)
+    is_padding = torch.arange(cols.start, cols.stop) >= vocab
+    ctx = ShardContext(rank, world_size, group, torch.device("cpu"), vocab, padded, cols.start)
+    megatron = MegatronCE()  # the real megatron-core function on Megatron's parallel state
+    megatron_ce = megatron.build(ctx)
+    try:
+        out = []
+        for job in jobs:
+            hidden, weight, target = job["hidden"], job["weight"][cols], job["target"]
+            logits = F.linear(hidden, weight)  # (T, width): ColumnParallelLinear's output
+            out.append(
+                {
+                    "logits": logits,
+                    EXACT: linear_selected_logprobs(
+                        hidden, weight, target, tp_group=group, vocab_size=vocab
+                    ).logprobs,
+                    TORCH: selected_logprobs(
+                        logits, target, tp_group=group, vocab_size=vocab
+                    ).logprobs,
+                    # padding masked to -inf: Megatron's best case (zero rows give logit 0)
+                    BASELINE: megatron_ce(logits.masked_fill(is_padding, -math.inf), target),
+                }
+            )
+        return out
+    finally:
+        megatron.teardown()
+
+
+def trainer(cfg: DemoConfig, jobs: dict, vocab_padded: int) -> dict[str, Side]:
+    """jobs: (body, head) -> (hidden (T, H) in the body dtype, weight (V, H) in the head
+    dtype, targets (T,)). Runs one TP world for all of them; returns body -> record."""
+    payload = []
+    for (_, head), (hidden, weight, target) in jobs.items():
+        zeros = weight.new_zeros(vocab_padded - weight.shape[0], weight.shape[1])
+        padded = torch.cat([weight, zeros])  # zero rows, as a checkpoint converter pads
+        payload.append({"hidden": hidden.to(DTYPES[head]), "weight": padded, "target": target})
+    ranks = run_gloo_world(cfg.tp, _trainer_rank, cfg.vocab, payload, timeout=1800)
+    trl_logprobs, _ = trl_selective_log_softmax()
+    sides = {}
+    for k, ((body, head), (hidden, weight, target)) in enumerate(jobs.items()):
+        side = sides.setdefault(body, Side(hidden))
+        side.logits[head] = torch.cat([r[k]["logits"] for r in ranks], dim=-1)[:, : cfg.vocab]
+        for method in (EXACT, TORCH, BASELINE):
+            side.logprobs[head, method] = ranks[0][k][method]
+        if trl_logprobs is not None:  # a TRL trainer: no TP, the full head at batch T
+            full = F.linear(hidden.to(DTYPES[head]), weight)
+            side.logprobs[head, TRL] = trl_logprobs(full, target)
+    return sides
 
 
 # --- comparison ---
 
 
-def compare(method: str, reference: torch.Tensor, other: torch.Tensor) -> MethodStats:
-    equal = int((reference.view(torch.int32) == other.view(torch.int32)).sum())
-    r = reference.double() - other.double()
-    k3 = r.exp() - 1 - r
-    return MethodStats(method, equal, reference.numel(), float(r.abs().max()), float(k3.mean()))
+def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """(T,) True where the rows of a and b have the same bits (any trailing dims)."""
+    bits = {2: torch.int16, 4: torch.int32}[a.element_size()]
+    same = a.contiguous().view(bits) == b.contiguous().view(bits)
+    return same.reshape(a.shape[0], -1).all(-1)
+
+
+def compare(train: torch.Tensor, rollout: torch.Tensor) -> Stats:
+    n = train.shape[0]
+    if n == 0:
+        return Stats(0, 0, *[math.nan] * 4)
+    d = train.double() - rollout.double()
+    equal = int(bitwise_equal(train, rollout).sum())
+    if train.dim() > 1:  # logits rows
+        return Stats(n, equal, float(d.abs().max()), math.nan, math.nan, math.nan)
+    ratio = d.exp()  # the importance ratio pi_train / pi_rollout of the sampled token
+    k3 = ratio - 1 - d
+    dev = (ratio - 1).abs()
+    return Stats(n, equal, float(d.abs().max()), float(dev.mean()), float(dev.max()), float(k3.mean()))  # fmt: skip
+
+
+def hidden_agreement(body, train: Side, roll: Side, lengths) -> HiddenAgreement:
+    same = bitwise_equal(train.hidden, roll.hidden)
+    first = offsets_of(lengths)
+    d = (train.hidden.double() - roll.hidden.double()).abs()
+    return HiddenAgreement(
+        body, len(same), int(same.sum()), int(same[first].sum()), len(first), float(d.max())
+    )
+
+
+def compare_sides(body, heads, train: Side, roll: Side) -> list[Row]:
+    rows = []
+    for head in heads:
+        # the LM head's input: the body's final hidden states in the head's dtype
+        same = bitwise_equal(train.hidden.to(DTYPES[head]), roll.hidden.to(DTYPES[head]))
+        for group, mask in ((EQUAL, same), (DIFFER, ~same)):
+            for method in METHODS:
+                if (head, method) in train.logprobs:
+                    a, b = train.logprobs[head, method], roll.logprobs[head, method]
+                    rows.append(Row(body, head, method, group, compare(a[mask], b[mask])))
+            a, b = train.logits[head], roll.logits[head]
+            rows.append(Row(body, head, LOGITS, group, compare(a[mask], b[mask])))
+    return rows
+
+
+# --- the run ---
 
 
 def run(cfg: DemoConfig) -> DemoResult:
-    model = build_model(cfg)
-    weight = model.lm_head.weight.detach().to(torch.bfloat16)  # (V, H)
-    hidden, targets = sample_batch(model, weight, cfg)
-
-    # --- rollout: full LM head, TP=1 ---
-    rollout_logits = F.linear(hidden, weight)  # (T, V) bf16
-    rollout = selected_logprobs(rollout_logits, targets).logprobs
-
-    # --- trainer: Megatron-padded vocab-parallel LM head over a gloo world ---
-    padded_vocab = megatron_padded_vocab_size(VOCAB, cfg.tp)
-    zeros = torch.zeros(padded_vocab - VOCAB, cfg.hidden, dtype=weight.dtype)
-    weight_padded = torch.cat([weight, zeros])  # zero rows, as a checkpoint converter pads
-    rollout_padded = F.pad(rollout_logits, (0, padded_vocab - VOCAB))  # zero rows give logit 0
-    ranks = run_gloo_world(
-        cfg.tp, _trainer_rank, hidden, weight_padded, rollout_padded, targets, timeout=600
-    )
-
-    trainer_logits = torch.cat([r["logits"] for r in ranks], dim=-1)[:, :VOCAB]
-    same = trainer_logits.view(torch.int16) == rollout_logits.view(torch.int16)
-    diff = (trainer_logits.float() - rollout_logits.float()).abs()
-    tp1 = {
-        EXACT: rollout,
-        GATHER: rollout_logits.float().log_softmax(-1).gather(-1, targets[:, None]).squeeze(-1),
-        **ranks[0]["tp1"],
-    }
+    start = time.perf_counter()
+    for name in (*cfg.bodies, *cfg.scored, *cfg.heads):
+        if name not in DTYPES:
+            raise ValueError(f"dtype name {name!r} must be one of {sorted(DTYPES)}")
+    lengths = cfg.lengths()
+    score, vllm_impl, trl_missing = rollout_scorers(cfg.vocab)
+    hidden, jobs, rollouts = {}, {}, {}
+    for body in dict.fromkeys((*cfg.bodies, *cfg.scored)):
+        model = build_model(cfg, DTYPES[body])
+        w = model.lm_head.weight.detach()
+        weights = {h: w.to(DTYPES[h]) for h in cfg.heads} if body in cfg.scored else {}
+        gen = torch.Generator().manual_seed(cfg.seed + 2)
+        prompts = torch.randint(0, cfg.vocab, (cfg.batch, cfg.prompt_len), generator=gen)
+        tokens, roll = rollout(model, prompts, lengths, weights, score, gen)
+        train_hidden = prefill(model, prompts, tokens, lengths)
+        hidden[body] = hidden_agreement(body, Side(train_hidden), roll, lengths)
+        rollouts[body] = roll
+        for head, weight in weights.items():
+            jobs[body, head] = (train_hidden, weight, tokens)
+        del model
+    padded = megatron_padded_vocab_size(cfg.vocab, cfg.tp)
+    sides = trainer(cfg, jobs, padded) if jobs else {}
+    rows = []
+    for body in cfg.scored:
+        rows += compare_sides(body, cfg.heads, sides[body], rollouts[body])
     return DemoResult(
-        config=cfg,
-        num_tokens=targets.numel(),
-        padded_vocab=padded_vocab,
-        logits_equal_columns=int(same.all(dim=0).sum()),
-        logits_mismatched_elements=int((~same).sum()),
-        logits_max_abs_diff=float(diff.max()),
-        vs_rollout={m: compare(m, rollout, ranks[0]["own"][m]) for m in METHODS},
-        tp_invariance={m: compare(m, tp1[m], ranks[0]["same"][m]) for m in METHODS},
-    )
+        cfg, sum(lengths), padded, hidden, rows, vllm_impl, trl_missing,
+        time.perf_counter() - start,
+    )  # fmt: skip
 
 
 # --- report ---
 
 
 def format_report(res: DemoResult) -> str:
-    cfg = res.config
+    cfg, lengths = res.config, res.config.lengths()
     lines = [
-        f"Qwen3-Next architecture: {cfg.layers} layers, hidden {cfg.hidden}, vocab {VOCAB}, "
-        f"random weights (seed {cfg.seed}); {cfg.batch} sequences x {cfg.new_tokens} sampled "
-        f"tokens = {res.num_tokens} tokens; bf16 LM head",
-        "rollout: full LM head (TP=1), exactlogp",
-        f"trainer: vocab-parallel LM head, gloo TP={cfg.tp}, padded to {res.padded_vocab} "
-        f"(multiple of 128*{cfg.tp})",
+        f"Qwen3-Next architecture: {cfg.layers} layers, hidden {cfg.hidden}, vocab {cfg.vocab}, "
+        f"random weights (seed {cfg.seed})",
+        _wrap(
+            f"rollout (TP=1): {cfg.batch} prompts x {cfg.prompt_len} tokens, cached decoding, "
+            f"{min(lengths)}..{max(lengths)} tokens per sequence (decode batch {cfg.batch} -> "
+            f"{sum(n == max(lengths) for n in lengths)}), {res.num_tokens} tokens; logprobs "
+            "recorded at sampling time from that step's hidden states"
+        ),
+        _wrap(
+            f"trainer (TP={cfg.tp}, gloo): one prefill pass over the {cfg.batch} finished "
+            f"sequences; vocabulary-parallel LM head padded to {res.padded_vocab} (Megatron)"
+        ),
+        _wrap(
+            "(c) trainer: megatron-core's vocab_parallel_cross_entropy on the shards, padding "
+            f"masked to -inf; rollout: {res.vllm_impl}"
+        ),
+        "(d) TRL: "
+        + (f"not run, {res.trl}" if res.trl else "trl.trainer.utils.selective_log_softmax"),
         "",
-        _logits_verdict(res),
+        "Final hidden states, rollout decode vs trainer prefill:",
+    ]
+    for a in res.hidden.values():
+        lines.append(
+            f"  {a.body} body: {a.equal}/{a.tokens} tokens bitwise equal (first sampled token "
+            f"of each sequence: {a.first_equal}/{a.first_tokens}), max |diff| {a.max_abs_diff:.3g}"
+        )
+    lines += [
+        "  The model body is outside exactlogp; the table keeps the tokens apart whose LM-head "
+        "input differs.",
         "",
-        f"trainer (TP={cfg.tp}, own sharded logits) vs rollout (TP=1, exactlogp):",
-        _table(res.vs_rollout.values(), res.num_tokens),
+        _wrap(
+            "Trainer vs rollout, per token. hidden: whether the LM head's input (the final "
+            "hidden state in the head's dtype) is bitwise equal on both sides; r = "
+            "exp(lp_train - lp_rollout), the importance ratio; k3 = r - 1 - log r, the KL "
+            "estimate."
+        ),
+        _table(res.rows),
         "",
-        f"each method, TP={cfg.tp} vs TP=1 on the rollout's logits (method alone):",
-        _table(res.tp_invariance.values(), res.num_tokens),
+        _wrap(_verdict(res)),
+        f"wall time {res.seconds:.0f} s",
     ]
     return "\n".join(lines)
 
 
-def _logits_verdict(res: DemoResult) -> str:
+def _wrap(text: str) -> str:
+    return textwrap.fill(text, width=100, subsequent_indent="  ", break_on_hyphens=False)
+
+
+def _table(rows: list[Row]) -> str:
+    width = max(len(m) for m in (*METHODS, LOGITS))
     head = (
-        f"LM-head logits, trainer shards vs rollout's full matmul: {res.logits_equal_columns}"
-        f"/{VOCAB} columns bitwise equal"
+        f"{'body':<4} {'head':<4} {'method':<{width}} {'hidden':<6} {'bitwise equal':>13} "
+        f"{'max |diff|':>10} {'mean |r-1|':>10} {'max |r-1|':>10} {'mean k3':>9}"
     )
-    if res.logits_equal_columns == VOCAB:
-        return head + " - the logprob stage decides parity."
-    return (
-        head + f" ({res.logits_mismatched_elements} elements differ, max |diff| "
-        f"{res.logits_max_abs_diff:.3g}).\nThe sharded LM-head matmul is NOT bitwise equal to "
-        "the full one here, so no logprob method can give the rollout's bits from these "
-        "logits: a split-invariant LM-head matmul is the next capability to build."
-    )
-
-
-def _table(rows, total) -> str:
-    width = max(len(m) for m in METHODS)
-    out = [f"  {'method':<{width}}  {'bitwise equal':>15}  {'max |diff|':>10}  {'mean K3 KL':>10}"]
-    for s in rows:
+    out = [head]
+    for r in rows:
+        s = r.stats
+        if s.tokens == 0:  # an empty group
+            continue
+        equal = f"{s.equal}/{s.tokens}"
+        nums = [_num(x) for x in (s.max_abs_diff, s.mean_ratio_dev, s.max_ratio_dev, s.mean_k3)]
         out.append(
-            f"  {s.method:<{width}}  {f'{s.equal}/{total}':>15}  "
-            f"{s.max_abs_diff:>10.3g}  {s.mean_k3:>10.3g}"
+            f"{r.body:<4} {r.head:<4} {r.method:<{width}} {r.group:<6} {equal:>13} "
+            f"{nums[0]:>10} {nums[1]:>10} {nums[2]:>10} {nums[3]:>9}"
         )
     return "\n".join(out)
+
+
+def _num(x: float) -> str:
+    return "-" if math.isnan(x) else f"{x:.3g}"
+
+
+def exact_holds(res: DemoResult) -> bool:
+    """(a) is bitwise equal on every token whose hidden states are, for every body and head."""
+    return all(
+        r.stats.equal == r.stats.tokens for r in res.rows if r.method == EXACT and r.group == EQUAL
+    )
+
+
+def _verdict(res: DemoResult) -> str:
+    equal = [r for r in res.rows if r.method == EXACT and r.group == EQUAL]
+    counts = ", ".join(f"{r.stats.tokens} ({r.body} body, {r.head} head)" for r in equal)
+    if not any(r.stats.tokens for r in equal):
+        return (
+            "No token has the same LM-head input on both sides: no method can be expected to agree."
+        )
+    if exact_holds(res):
+        return (
+            f"On every token whose LM-head input is bitwise equal on both sides ({counts}), "
+            "(a) gives the same logprob bits."
+        )
+    return f"(a) DIFFERS on tokens whose LM-head input is bitwise equal ({counts}): a bug."
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(n for n in text.split(",") if n)
 
 
 def main(argv: list[str] | None = None) -> DemoResult:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     defaults = DemoConfig()
-    for field in ("batch", "prompt_len", "new_tokens", "layers", "hidden", "tp", "seed"):
-        flag = "--" + field.replace("_", "-")
-        parser.add_argument(flag, type=int, default=getattr(defaults, field))
-    parser.add_argument("--head-std", type=float, default=defaults.head_std)
-    args = parser.parse_args(argv)
-    result = run(DemoConfig(**vars(args)))
+    for f in fields(DemoConfig):
+        value, flag = getattr(defaults, f.name), "--" + f.name.replace("_", "-")
+        if isinstance(value, tuple):
+            parser.add_argument(flag, type=_names, default=value, help="comma-separated")
+        else:
+            parser.add_argument(flag, type=type(value), default=value)
+    result = run(DemoConfig(**vars(parser.parse_args(argv))))
     print(format_report(result))
     return result
 

@@ -1,19 +1,28 @@
-"""examples/train_rollout_parity.py at a small size: the demo runs and its numbers hold.
+"""examples/train_rollout_parity.py at a small size: what the demo claims, checked so that
+each check can fail.
 
-The sampled batch is 2 sequences x 4 tokens on a 2-layer Qwen3-Next model with the real
-151936-token vocabulary; the trainer is a real gloo TP=4 world with megatron-core.
+The small run: 4 prompts x 4 tokens, decoding 4, 3, 2, 1 tokens (batch 4 -> 1), a 2-layer
+Qwen3-Next model with a 5000-token vocabulary (the LM head's cost grows with it, the
+claims do not), bf16 body, LM head in bf16 and fp32; the trainer is a real gloo TP=4
+world with megatron-core.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import sys
+import types
 from pathlib import Path
 
 import pytest
+import torch
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
-SMALL = ["--batch", "2", "--prompt-len", "4", "--new-tokens", "4", "--layers", "2"]
+SMALL = [
+    "--batch", "4", "--prompt-len", "4", "--new-tokens", "4", "--stagger", "1",
+    "--layers", "2", "--vocab", "5000", "--bodies", "bf16", "--scored", "bf16",
+]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -32,39 +41,113 @@ def result(demo):
     return demo.main(SMALL)
 
 
-def test_report_names_every_method(demo, result, capsys):
+def test_report_names_every_method_and_both_groups(demo, result):
     text = demo.format_report(result)
-    assert "LM-head logits, trainer shards vs rollout's full matmul" in text
-    rows = [line.strip() for line in text.splitlines() if line.startswith("  ")]
-    for method in demo.METHODS:
-        assert sum(row.startswith(method) for row in rows) == 2  # one row in each table
-    assert f"{result.num_tokens} tokens" in text and result.num_tokens == 8
-    assert result.padded_vocab == 152064
+    rows = {(r.head, r.method, r.group) for r in result.rows}
+    methods = [demo.EXACT, demo.TORCH, demo.BASELINE, demo.LOGITS]
+    if result.trl is None:
+        methods.append(demo.TRL)
+    else:
+        assert f"(d) TRL: not run, {result.trl}" in text
+    for head in ("bf16", "fp32"):
+        for method in methods:
+            assert {(head, method, demo.EQUAL), (head, method, demo.DIFFER)} <= rows
+            assert f"bf16 {head} {method}" in text
+    assert result.num_tokens == 10 and result.padded_vocab == 5120
+    assert result.config.lengths() == [4, 3, 2, 1]
 
 
-def test_exactlogp_alone_is_tp_invariant(result):
-    stats = result.tp_invariance["exactlogp"]
-    assert stats.equal == stats.total and stats.max_abs_diff == 0.0
+def test_hidden_states_are_counted_token_by_token(demo, result):
+    agreement = result.hidden["bf16"]
+    assert agreement.tokens == result.num_tokens
+    for head in ("bf16", "fp32"):
+        equal = result.stats("bf16", head, demo.EXACT, demo.EQUAL).tokens
+        differ = result.stats("bf16", head, demo.EXACT, demo.DIFFER).tokens
+        assert (equal, differ) == (agreement.equal, agreement.tokens - agreement.equal)
+    # the first token of each sequence is sampled right after the prompt prefill, which
+    # the trainer's prefill repeats row for row in bf16 (measured: 8/8 at the default size)
+    assert agreement.first_equal == agreement.first_tokens == 4
 
 
-def test_gathering_the_whole_row_is_tp_invariant(demo, result):
-    # all_gather moves bits without arithmetic, so the gathered row is the rollout's row
-    stats = result.tp_invariance[demo.GATHER]
-    assert stats.equal == stats.total
+def test_exact_head_agrees_on_every_token_with_equal_hidden_states(demo, result):
+    for head in ("bf16", "fp32"):
+        stats = result.stats("bf16", head, demo.EXACT, demo.EQUAL)
+        assert stats.tokens > 0
+        assert stats.equal == stats.tokens and stats.max_abs_diff == 0.0
+        assert stats.mean_ratio_dev == 0.0 and stats.mean_k3 == 0.0
+    assert demo.exact_holds(result)
 
 
-def test_exactlogp_matches_the_rollout_whenever_the_logits_do(result):
-    stats = result.vs_rollout["exactlogp"]
-    if result.logits_equal_columns == 151936:
-        assert stats.equal == stats.total
-    else:  # the report must then say why, and the logits differ somewhere
-        assert result.logits_mismatched_elements > 0
+def test_torch_head_disagrees_on_some_of_those_same_tokens(demo, result):
+    # each side's own fp32 matmul: the rollout's rows come 4, 3, 2, 1 at a time, the
+    # trainer's 10 at a time on a quarter of the vocabulary, so some logits differ
+    logits = result.stats("bf16", "fp32", demo.LOGITS, demo.EQUAL)
+    torch_head = result.stats("bf16", "fp32", demo.TORCH, demo.EQUAL)
+    assert logits.equal < logits.tokens
+    assert 0 < torch_head.tokens and torch_head.equal < torch_head.tokens
+    assert torch_head.max_abs_diff > 0.0
 
 
-def test_statistics_are_consistent(result):
-    for table in (result.vs_rollout, result.tp_invariance):
-        for stats in table.values():
-            assert stats.total == result.num_tokens
-            if stats.equal == stats.total:  # (+0 vs -0 may differ in bits at diff 0)
-                assert stats.max_abs_diff == 0.0 and stats.mean_k3 == 0.0
-            assert stats.mean_k3 >= 0.0
+def test_the_check_fails_if_the_exact_path_is_the_torch_head(demo, result):
+    def as_torch_head(row):
+        if row.method != demo.EXACT:
+            return row
+        return dataclasses.replace(
+            row, stats=result.stats(row.body, row.head, demo.TORCH, row.group)
+        )
+
+    swapped = dataclasses.replace(result, rows=[as_torch_head(r) for r in result.rows])
+    assert not demo.exact_holds(swapped)
+    assert "DIFFERS" in demo.format_report(swapped)
+
+
+def test_the_rollout_scores_are_batch_invariant_only_with_the_exact_head(demo):
+    # the rollout's own scorer on the same rows, all at once vs one at a time: the exact
+    # head gives the same bits, the torch matmul (fp32) does not, so swapping one for the
+    # other in the demo would show on the trainer's side too
+    score, _, _ = demo.rollout_scorers(5000)
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(8, 128, generator=gen)
+    weight = torch.randn(5000, 128, generator=gen) * 0.2
+    tokens = torch.randint(0, 5000, (8,), generator=gen)
+    logits, whole = score(hidden, weight, tokens)
+    rows = [score(hidden[i : i + 1], weight, tokens[i : i + 1]) for i in range(8)]
+    one_by_one = {m: torch.cat([r[1][m] for r in rows]) for m in whole}
+    assert torch.equal(whole[demo.EXACT], one_by_one[demo.EXACT])
+    assert not torch.equal(logits, torch.cat([r[0] for r in rows]))
+    assert not torch.equal(whole[demo.TORCH], one_by_one[demo.TORCH])
+
+
+def test_statistics_are_consistent(demo, result):
+    for r in result.rows:
+        s = r.stats
+        assert 0 <= s.equal <= s.tokens
+        if r.method == demo.LOGITS or s.tokens == 0:
+            continue
+        if s.equal == s.tokens:  # (+0 vs -0 may differ in bits at diff 0)
+            assert s.max_abs_diff == 0.0 and s.mean_k3 == 0.0 and s.max_ratio_dev == 0.0
+        assert s.mean_k3 >= 0.0 and s.mean_ratio_dev <= s.max_ratio_dev
+
+
+def test_trl_absent_is_said_not_hidden(demo, monkeypatch):
+    monkeypatch.setitem(sys.modules, "trl", None)  # import trl raises ImportError
+    fn, why = demo.trl_selective_log_softmax()
+    assert fn is None and "trl" in why
+
+
+def test_trl_present_is_scored_on_the_rollout(demo, monkeypatch):
+    def selective_log_softmax(logits, index):  # TRL's definition, in torch
+        return logits.float().log_softmax(-1).gather(-1, index[..., None]).squeeze(-1)
+
+    utils = types.ModuleType("trl.trainer.utils")
+    utils.selective_log_softmax = selective_log_softmax
+    for name in ("trl", "trl.trainer"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "trl.trainer.utils", utils)
+    score, _, missing = demo.rollout_scorers(5000)
+    assert missing is None
+    gen = torch.Generator().manual_seed(1)
+    hidden, weight = torch.randn(3, 16, generator=gen), torch.randn(5000, 16, generator=gen)
+    tokens = torch.tensor([0, 17, 4999])
+    logits, out = score(hidden, weight, tokens)
+    assert torch.equal(out[demo.TRL], selective_log_softmax(logits, tokens))
