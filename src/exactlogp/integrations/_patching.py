@@ -73,12 +73,12 @@ class PatchHandle:
     def sites(self) -> tuple[str, ...]:
         return tuple(s.path for s in self._swaps)
 
-    def replacement(self, path: str):
-        """The object now bound at `path` by this patch."""
+    def original(self, path: str):
+        """The host's own object that this patch replaced at `path` (None if none)."""
         for swap in self._swaps:
             if swap.path == path:
-                return swap.new
-        raise KeyError(path)
+                return swap.original
+        return None
 
     def undo(self) -> None:
         if _ACTIVE.get(self.key) is self:

@@ -15,6 +15,7 @@ import numbers
 import torch
 
 from ..api import selected_logprobs
+from ._dtensor import is_dtensor, vocab_shard
 
 IGNORE = -100  # the id that gives 0 (exactlogp's default ignore_index)
 CONTRACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -51,7 +52,12 @@ def one_id_per_row(
     with_entropy: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(logprobs, entropy) shaped like `index` (== logits.shape[:-1]); fp32, or fp64 for
-    fp64 logits. Rows where `row_mask == 0` give exactly 0 and a zero gradient."""
+    fp64 logits. Rows where `row_mask == 0` give exactly 0 and a zero gradient. A DTensor
+    `logits` sharded on its last dimension is scored shard by shard over its mesh's group."""
+    if is_dtensor(index):
+        index = index.full_tensor()
+    if is_dtensor(row_mask):
+        row_mask = row_mask.full_tensor()
     if row_mask is not None:
         check_tensor("row_mask", row_mask)
         if tuple(row_mask.shape) != tuple(index.shape):
@@ -60,6 +66,21 @@ def one_id_per_row(
                 f"{tuple(index.shape)}"
             )
         index = torch.where(row_mask.to(index.device) == 0, IGNORE, index)
+    if is_dtensor(logits):
+        # FSDP2 / torchtitan tensor parallel: each rank scores its own vocabulary columns
+        shard = vocab_shard(logits, -1)
+        if shard.local.dtype == torch.float64:
+            return _fp64(logits.full_tensor(), index, temperature, with_entropy)
+        result = selected_logprobs(
+            shard.local,
+            index,
+            tp_group=shard.tp_group,
+            vocab_start=shard.vocab_start,
+            vocab_size=shard.vocab_size if shard.tp_group is not None else None,
+            temperature=temperature,
+            with_entropy=with_entropy,
+        )
+        return result.logprobs, result.entropy
     if logits.dtype == torch.float64:
         return _fp64(logits, index, temperature, with_entropy)
     result = selected_logprobs(logits, index, temperature=temperature, with_entropy=with_entropy)
