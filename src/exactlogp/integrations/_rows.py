@@ -50,6 +50,7 @@ def one_id_per_row(
     temperature: float = 1.0,
     row_mask: torch.Tensor | None = None,
     with_entropy: bool = False,
+    vocab_size: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(logprobs, entropy) shaped like `index` (== logits.shape[:-1]); fp32, or fp64 for
     fp64 logits. Rows where `row_mask == 0` give exactly 0 and a zero gradient. A DTensor
@@ -82,8 +83,11 @@ def one_id_per_row(
         )
         return result.logprobs, result.entropy
     if logits.dtype == torch.float64:
-        return _fp64(logits, index, temperature, with_entropy)
-    result = selected_logprobs(logits, index, temperature=temperature, with_entropy=with_entropy)
+        real = logits if vocab_size is None else logits[..., :vocab_size]
+        return _fp64(real, index, temperature, with_entropy)
+    result = selected_logprobs(
+        logits, index, temperature=temperature, with_entropy=with_entropy, vocab_size=vocab_size
+    )
     return result.logprobs, result.entropy
 
 
@@ -93,6 +97,7 @@ def k_ids_per_row(
     *,
     temperature: float = 1.0,
     row_mask: torch.Tensor | None = None,
+    vocab_size: int | None = None,
 ) -> torch.Tensor:
     """Logprobs for `index` of shape (...) or (..., K); each of the K ids is its own call,
     so every value has the bits of a one-id call."""
@@ -100,7 +105,9 @@ def k_ids_per_row(
     check_tensor("index", index)
     rows = tuple(logits.shape[:-1])
     if tuple(index.shape) == rows:
-        logprobs, _ = one_id_per_row(logits, index, temperature=temperature, row_mask=row_mask)
+        logprobs, _ = one_id_per_row(
+            logits, index, temperature=temperature, row_mask=row_mask, vocab_size=vocab_size
+        )
         return logprobs
     if index.dim() == logits.dim() and tuple(index.shape[:-1]) == rows:
         if row_mask is not None and tuple(row_mask.shape) == rows:
@@ -111,6 +118,7 @@ def k_ids_per_row(
                 index[..., k],
                 temperature=temperature,
                 row_mask=None if row_mask is None else row_mask[..., k],
+                vocab_size=vocab_size,
             )[0]
             for k in range(index.shape[-1])
         ]
