@@ -452,7 +452,10 @@ def _install_rl_utils(monkeypatch):
 
     def selective_log_softmax(logits, index):
         return torch.stack(
-            [F.log_softmax(row, -1).gather(-1, i[:, None])[:, 0] for row, i in zip(logits, index)]
+            [
+                F.log_softmax(row, -1).gather(-1, i[:, None])[:, 0]
+                for row, i in zip(logits, index, strict=True)
+            ]
         )
 
     rl = types.ModuleType("megatron.rl")
