@@ -2,7 +2,17 @@
 
 from .api import LogprobResult, SelectedLogprobs, selected_logprobs
 from .contract import CONTRACT
+from .linear import LOGITS_CONTRACT, linear_logits, linear_selected_logprobs
 
 __version__ = "0.1.0"
 
-__all__ = ["CONTRACT", "LogprobResult", "SelectedLogprobs", "__version__", "selected_logprobs"]
+__all__ = [
+    "CONTRACT",
+    "LOGITS_CONTRACT",
+    "LogprobResult",
+    "SelectedLogprobs",
+    "__version__",
+    "linear_logits",
+    "linear_selected_logprobs",
+    "selected_logprobs",
+]

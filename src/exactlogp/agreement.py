@@ -298,6 +298,11 @@ class RankCheck(NamedTuple):
     call: torch.Tensor  # () bool: the call fields or the shards differ or do not tile
     target_max: torch.Tensor  # (N,) fp32: the largest and smallest target of each row
     target_min: torch.Tensor
+    differs: torch.Tensor  # (k, N) bool: which per-row value differs (ROW_FIELD_NAMES)
+
+
+# what each per-row value is, for the messages (the extra rows: linear_selected_logprobs)
+ROW_FIELD_NAMES = ("target", "temperature", "temperature", "hidden states")
 
 
 def _row_values(target: torch.Tensor, temperature) -> torch.Tensor:
@@ -336,30 +341,39 @@ def max_payload(
     key: int,
     group: distributed.Group,
     layout: Layout,
+    row_fields: torch.Tensor | None = None,  # (k, N) more per-row integers below 2^24
 ) -> torch.Tensor:
     """The fp32 tensor the forward all_reduces with MAX: row maxima and agreement fields."""
     rows = _row_values(target, temperature)
+    if row_fields is not None:
+        rows = torch.cat([rows, row_fields.to(torch.float32)])
     parts = [row_max.to(torch.float32), rows.reshape(-1), (-rows).reshape(-1)]
     parts.append(_call_values(key, group, layout, row_max.device))
     return torch.cat(parts)
 
 
 def read_max(
-    reduced: torch.Tensor, num_rows: int, group: distributed.Group, vocab_size: int | None
+    reduced: torch.Tensor,
+    num_rows: int,
+    group: distributed.Group,
+    vocab_size: int | None,
+    row_fields: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, RankCheck]:
     """(global row maxima, RankCheck) from the all_reduced payload; no host sync."""
-    n, k = num_rows, _ROW_FIELDS
+    n = num_rows
+    k = _ROW_FIELDS + (0 if row_fields is None else row_fields.shape[0])
     row_max = reduced[:n]
     hi = reduced[n : n + k * n].view(k, n)
     neg = reduced[n + k * n : n + 2 * k * n].view(k, n)
-    rows = (hi != -neg).any(dim=0)  # max != min
+    differs = hi != -neg  # max != min
+    rows = differs.any(dim=0)
     rest = reduced[n + 2 * k * n :]
     key_hi, key_neg = rest[:_KEY_CHUNKS], rest[_KEY_CHUNKS : 2 * _KEY_CHUNKS]
     starts = rest[2 * _KEY_CHUNKS : 2 * _KEY_CHUNKS + group.size].to(torch.float64)
     widths = rest[2 * _KEY_CHUNKS + group.size :].to(torch.float64)
     call = (key_hi != -key_neg).any() | ~_tiles(starts, widths, vocab_size)
     poison = (rows.any() | call).expand(n)
-    return row_max, RankCheck(poison, rows, call, hi[0], -neg[0])
+    return row_max, RankCheck(poison, rows, call, hi[0], -neg[0], differs)
 
 
 def _tiles(starts: torch.Tensor, widths: torch.Tensor, vocab_size: int | None) -> torch.Tensor:

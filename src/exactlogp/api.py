@@ -69,14 +69,17 @@ def selected_logprobs(
     """
     group = distributed.resolve(tp_group)
 
-    def prepare() -> _Call:
-        return _prepare_call(
-            vocab_parallel_logits, target, group, vocab_start, vocab_size, temperature,
-            keep_mask, ignore_index, with_entropy, validate, backend,
+    def prepare() -> Call:
+        validation.check_logits(vocab_parallel_logits)
+        validation.check_keep_mask(keep_mask, vocab_parallel_logits)
+        return prepare_call(
+            vocab_parallel_logits, vocab_parallel_logits.shape[-1], target, group, vocab_start,
+            vocab_size, temperature, keep_mask is not None, ignore_index, with_entropy,
+            validate, backend,
         )  # fmt: skip
 
     with distributed.serialized(group):
-        device = _device_of(vocab_parallel_logits, group)
+        device = device_of(vocab_parallel_logits, group)
         call = agreement.checked(group, validate, device, prepare)
         num_rows, num_cols = call.num_rows, call.num_cols
         logprobs, entropy, lse = SelectedLogprobsFunction.apply(
@@ -96,7 +99,7 @@ def selected_logprobs(
 
 
 @dataclass(frozen=True)
-class _Call:
+class Call:
     """A call whose arguments passed this rank's checks."""
 
     options: Options
@@ -107,21 +110,23 @@ class _Call:
     num_cols: int
 
 
-def _device_of(logits, group: distributed.Group) -> torch.device:
-    if isinstance(logits, torch.Tensor):
-        return logits.device
+def device_of(source, group: distributed.Group) -> torch.device:
+    """Where the agreement's tensor goes: the input's device, else the group's."""
+    if isinstance(source, torch.Tensor):
+        return source.device
     return distributed.collective_device(group)
 
 
-def _prepare_call(
-    logits, target, group: distributed.Group, vocab_start, vocab_size, temperature, keep_mask,
-    ignore_index, with_entropy, validate, backend, kind: int = agreement.KIND_LOGITS,
-    extra_fields: dict | None = None,
-) -> _Call:  # fmt: skip
-    """This rank's argument checks, in the order a user fixes them."""
-    validation.check_logits(logits)
-    validation.check_target(target, logits)
-    validation.check_keep_mask(keep_mask, logits)
+def prepare_call(
+    source, num_cols, target, group: distributed.Group, vocab_start, vocab_size, temperature,
+    has_keep_mask: bool, ignore_index, with_entropy, validate, backend,
+    kind: int = agreement.KIND_LOGITS, extra_fields: dict | None = None,
+    source_name: str = "vocab_parallel_logits",
+) -> Call:  # fmt: skip
+    """This rank's checks of the options every call shares, in the order a user fixes
+    them. `source` is the logits (or the hidden states) whose shape without its last
+    dimension is the rows'; `num_cols` this rank's vocabulary columns."""
+    validation.check_target(target, source, source_name)
     tau = validation.check_temperature(temperature, target)
     with_entropy = validation.check_bool("with_entropy", with_entropy)
     validate = validation.check_bool("validate", validate)
@@ -130,22 +135,21 @@ def _prepare_call(
     vocab_size = validation.check_int("vocab_size", vocab_size, 1, contract.MAX_VOCAB)
     if not isinstance(backend, str):
         raise TypeError(f"backend must be a str, got {type(backend).__name__}")
-    num_cols = logits.shape[-1]
     start, given = validation.check_shard(num_cols, vocab_start, vocab_size, group.rank, group.size)
-    impl = get_backend(backend, logits.device)
+    impl = get_backend(backend, source.device)
 
     shape = tuple(target.shape)
+    extra = {"contract": agreement.contract_key(contract.CONTRACT), **(extra_fields or {})}
     fields = agreement.CallFields(
         kind=kind,
-        contract=agreement.contract_key(contract.CONTRACT),
         rows=target.numel(),
         vocab_size=-1 if vocab_size is None else vocab_size,
         with_entropy=int(with_entropy),
         ignore_index=ignore_index,
-        keep_mask=int(keep_mask is not None),
+        keep_mask=int(has_keep_mask),
         temperature=-1 if isinstance(tau, torch.Tensor) else agreement.fp32_bits(tau),
         validate=int(validate),
-        **(extra_fields or {}),
+        **extra,
     )
     layout = agreement.Layout(start, num_cols, given)
     options = Options(
@@ -158,7 +162,7 @@ def _prepare_call(
         target_shape=shape,
         num_cols=num_cols,
     )
-    return _Call(options, fields, layout, tau, target.numel(), num_cols)
+    return Call(options, fields, layout, tau, target.numel(), num_cols)
 
 
 class SelectedLogprobs(torch.nn.Module):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -29,13 +30,21 @@ class Options:
     num_cols: int
 
 
+class Forward(NamedTuple):
+    row_max: torch.Tensor  # (N,) fp32, global
+    fin: contract.Finalized
+    record: torch.Tensor  # (N, NUM_COLS) int64, combined
+    ranks: agreement.RankCheck | None  # what the ranks agreed on, with a TP group
+
+
 def forward_pipeline(
     logits: torch.Tensor,  # (N, V_local)
     target: torch.Tensor,  # (N,) int64
     temperature: float | torch.Tensor,  # float or (N,) fp32
     keep_mask: torch.Tensor | None,  # (N, V_local) bool
     opts: Options,
-) -> tuple[torch.Tensor, contract.Finalized]:
+    row_fields: torch.Tensor | None = None,  # (k, N) more per-row values the ranks share
+) -> Forward:
     plan, backend, group = opts.plan, opts.backend, opts.group
     n = logits.shape[0]
     # --- 1-2. exact global max; the agreement fields ride along ---
@@ -43,10 +52,10 @@ def forward_pipeline(
     ranks = None
     if group.distributed:
         payload = agreement.max_payload(
-            row_max, target, temperature, opts.call_key, group, opts.layout
+            row_max, target, temperature, opts.call_key, group, opts.layout, row_fields
         )
         distributed.all_reduce_max_(payload, group)
-        row_max, ranks = agreement.read_max(payload, n, group, plan.vocab_size)
+        row_max, ranks = agreement.read_max(payload, n, group, plan.vocab_size, row_fields)
     # --- 3-5. exact local record ---
     record = backend.partials(logits, target, temperature, keep_mask, row_max, plan)
     # --- 6. combine across ranks ---
@@ -60,13 +69,17 @@ def forward_pipeline(
         row_max, record, target, plan.vocab_size, plan.ignore_index, bad_tau,
         None if ranks is None else ranks.poison,
     )  # fmt: skip
-    if opts.validate:
-        ctx = validation.RowContext(
-            opts.target_shape, temperature, plan.vocab_size, plan.ignore_index,
-            group.size, opts.num_cols, ranks,
-        )  # fmt: skip
-        validation.raise_for_bad_rows(fin.bad, record, target, ctx)
-    return row_max, fin
+    return Forward(row_max, fin, record, ranks)
+
+
+def validate_rows(forward: Forward, target, temperature, opts: Options) -> None:
+    """validate=True: raise on every rank for the first bad row (one host sync)."""
+    plan = opts.plan
+    ctx = validation.RowContext(
+        opts.target_shape, temperature, plan.vocab_size, plan.ignore_index,
+        opts.group.size, opts.num_cols, forward.ranks,
+    )  # fmt: skip
+    validation.raise_for_bad_rows(forward.fin.bad, forward.record, target, ctx)
 
 
 def once_differentiable(backward):
@@ -101,7 +114,10 @@ class SelectedLogprobsFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, temperature_tensor, keep_mask, scalar_temperature, opts):
         temperature = scalar_temperature if temperature_tensor is None else temperature_tensor
-        row_max, fin = forward_pipeline(logits, target, temperature, keep_mask, opts)
+        forward = forward_pipeline(logits, target, temperature, keep_mask, opts)
+        if opts.validate:
+            validate_rows(forward, target, temperature, opts)
+        row_max, fin = forward.row_max, forward.fin
         ctx.opts = opts
         ctx.scalar_temperature = scalar_temperature
         ctx.save_for_backward(

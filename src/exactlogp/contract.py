@@ -136,7 +136,7 @@ def masked_row_max(y: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
 # --- 3. contract exponential ---
 
 
-def _pow2(n: torch.Tensor) -> torch.Tensor:
+def pow2(n: torch.Tensor) -> torch.Tensor:
     """2^n as binary64 for int64 n in the normal range, built from its bit pattern."""
     return ((n + 1023) << 52).view(torch.float64)
 
@@ -160,7 +160,7 @@ def exp_c(d: torch.Tensor) -> torch.Tensor:
     p = torch.full_like(r, EXP_POLY[0])
     for c in EXP_POLY[1:]:
         p = p * r + c  # Horner; torch never fuses this into an FMA
-    return (exp2_table(d.device)[k & 31] * p) * _pow2(k >> 5)
+    return (exp2_table(d.device)[k & 31] * p) * pow2(k >> 5)
 
 
 # --- 4. quantize ---
@@ -248,7 +248,7 @@ def partials(
 # --- 7. finalize ---
 
 
-def _two_sum(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def two_sum(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     s = a + b
     bb = s - a
     return s, (a - (s - bb)) + (b - bb)
@@ -261,7 +261,7 @@ def limbs_to_double_double(hi: torch.Tensor, lo: torch.Tensor) -> tuple[torch.Te
     a = hi.to(torch.float64)  # round to nearest even
     r = hi - a.to(torch.int64)  # exact, |r| <= 2^9
     t = r * (1 << FRAC_BITS) + lo  # exact, |t| < 2^53
-    return _two_sum(a * LIMB_UNIT, t.to(torch.float64) * LIMB2_UNIT)
+    return two_sum(a * LIMB_UNIT, t.to(torch.float64) * LIMB2_UNIT)
 
 
 def log_c(sh: torch.Tensor, sl: torch.Tensor) -> torch.Tensor:

@@ -57,6 +57,40 @@ def llm_like_logits(
     return x, torch.multinomial(probs, 1, generator=gen).squeeze(-1)
 
 
+def lm_head_inputs(
+    num_rows: int,
+    hidden: int,
+    vocab: int,
+    dtype: torch.dtype = torch.bfloat16,
+    seed: int = 0,
+    logit_std: float = 3.0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(hidden (N, H), weight (V, H), target (N,)) shaped like an LM head's at work.
+
+    Hidden rows are RMS-normed (times a norm weight around 1, with a few large channels,
+    as trained models have); weight rows are Gaussian, scaled so that the logits spread
+    with std ~logit_std. A third of the rows point at one weight row (confident rows,
+    their top logit far above the rest), a few are flat (small logits). Targets are drawn
+    from the rows' fp64 softmax, as a rollout draws them.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    h = torch.randn(num_rows, hidden, generator=gen)
+    w = torch.randn(vocab, hidden, generator=gen) * (logit_std / hidden**0.5)
+    confident = torch.arange(num_rows) % 3 == 0
+    favourite = torch.randint(0, vocab, (num_rows,), generator=gen)
+    h = torch.where(confident.unsqueeze(-1), h + 6.0 * w[favourite] * hidden**0.5 / logit_std, h)
+    flat = torch.arange(num_rows) % 7 == 5
+    h = torch.where(flat.unsqueeze(-1), 0.05 * h, h)
+    gamma = 1.0 + 0.1 * torch.randn(hidden, generator=gen)
+    gamma[torch.randint(0, hidden, (max(1, hidden // 64),), generator=gen)] *= 8.0
+    rms = h.pow(2).mean(-1, keepdim=True).add(1e-6).rsqrt()
+    h = torch.where(flat.unsqueeze(-1), h, h * rms) * gamma
+    h, w = h.to(dtype), w.to(dtype)
+    logits = h.double() @ w.double().T
+    target = torch.multinomial(torch.softmax(logits, -1), 1, generator=gen).squeeze(-1)
+    return h, w, target
+
+
 def python_random_logits(
     num_rows: int, vocab: int, dtype: torch.dtype, seed: int
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -36,7 +36,9 @@ def check_logits(logits) -> None:
         raise ValueError("vocab_parallel_logits must have a vocabulary dimension, got a 0-d tensor")
 
 
-def check_target(target, logits: torch.Tensor) -> None:
+def check_target(target, source: torch.Tensor, name: str = "vocab_parallel_logits") -> None:
+    """Integer ids shaped like `source` (the logits, or the hidden states) without its
+    last dimension, on its device."""
     if not isinstance(target, torch.Tensor):
         raise TypeError(f"target must be a torch.Tensor, got {type(target).__name__}")
     if target.dtype == torch.bool or target.is_floating_point() or target.is_complex():
@@ -47,12 +49,12 @@ def check_target(target, logits: torch.Tensor) -> None:
             f"{target.dtype}: unsigned ids cannot be ignore_index, and uint64 ids above "
             "2^63 would wrap around"
         )
-    if tuple(target.shape) != tuple(logits.shape[:-1]):
+    if tuple(target.shape) != tuple(source.shape[:-1]):
         raise ValueError(
-            f"target shape {tuple(target.shape)} must equal vocab_parallel_logits shape "
-            f"without its last dimension, {tuple(logits.shape[:-1])}"
+            f"target shape {tuple(target.shape)} must equal {name} shape "
+            f"without its last dimension, {tuple(source.shape[:-1])}"
         )
-    _same_device("target", target, logits)
+    _same_device("target", target, source)
 
 
 def check_keep_mask(keep_mask, logits: torch.Tensor) -> None:
@@ -228,12 +230,16 @@ def _ranks_message(row: int, ctx: RowContext) -> str:
     check = ctx.ranks
     rows = torch.nonzero(check.rows).flatten()
     if len(rows):
+        from .agreement import ROW_FIELD_NAMES
+
         r = int(rows[0])
         hi, lo = int(check.target_max[r]), int(check.target_min[r])
+        field = ROW_FIELD_NAMES[int(torch.nonzero(check.differs[:, r])[0])]
         what = (
             f"target{_index(r, ctx.shape)} is {hi} on some ranks and {lo} on others"
-            if hi != lo
-            else f"the temperature of row{_index(r, ctx.shape)} differs"
+            if field == "target"
+            else f"the {field} of row{_index(r, ctx.shape)} differ"
+            + ("s" if field == "temperature" else "")
         )
         return (
             f"the ranks of tp_group disagree on {what}: every rank must pass the same rows, "

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import contract
+from .. import contract, linear_contract
 from ..contract import GradStats
 
 
@@ -59,3 +59,9 @@ class Backend:
     def grad(self, logits, target, temperature, keep_mask, stats: GradStats, plan) -> torch.Tensor:
         """(N, V_local) in logits.dtype: the gradient shard."""
         raise NotImplementedError
+
+    def exact_dot(self, a: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        """(M, P) int64: linear_contract.exact_dot, the exact integer a @ c^T of quantized
+        operands (M, K) and (P, K). By default fp64 GEMMs over K-chunks, which are exact
+        (linear_contract.float_exact_dot) on any device torch runs a GEMM on."""
+        return linear_contract.float_exact_dot(a, c)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import contract
+from .. import contract, linear_contract
 from ..contract import GradStats
 from .base import Backend, ShardPlan
 
@@ -66,3 +66,7 @@ class ReferenceBackend(Backend):
                 y, valid, stats.rows(rows), target_local[rows], tau, plan.with_entropy, logits.dtype
             )
         return out
+
+    def exact_dot(self, a, c):
+        """The definition itself: int64 products and sums."""
+        return linear_contract.exact_dot(a, c)

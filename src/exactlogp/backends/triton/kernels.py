@@ -324,7 +324,7 @@ def partials_kernel(
 
 @triton.jit
 def _two_sum(a, b):
-    """contract._two_sum: s = fl(a + b) and its exact rounding error."""
+    """contract.two_sum: s = fl(a + b) and its exact rounding error."""
     s = a + b
     bb = s - a
     return s, (a - (s - bb)) + (b - bb)

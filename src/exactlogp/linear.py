@@ -1,0 +1,472 @@
+"""The exact fused LM head: hidden states and LM-head weights to logprobs, entropy and lse.
+
+    linear_logits(hidden, weight, bias, logit_scale=s)          the logits of contract
+                                                                exactlogp-linear-v1, fp32
+    linear_selected_logprobs(hidden, weight, target, bias=b, logit_scale=s, **kw)
+        == selected_logprobs(linear_logits(hidden, weight, b, logit_scale=s), target, **kw)
+        bitwise, for every output, without an [N, V] logits tensor
+
+The logits are exact dot products rounded once (linear_contract.py), so they are the same
+bits for any batch, row order, vocab shard, TP degree and backend -- and so are the
+logprobs the softmax contract makes of them.
+
+Forward, per block of ROW_BLOCK rows (the same blocks on every rank):
+  logits (ROW_BLOCK, V_local) fp32 <- exact integer GEMMs over blocks of weight rows
+  autograd.forward_pipeline on them: MAX (with the agreement values), partials, SUM, finalize
+Backward (blocks of weight rows outer, all rows inner), nothing of size [N, V] kept:
+  pass 1: logits -> dL/dz (backend.grad) -> weight and bias gradient, exact per column;
+          the per-row maxima of the hidden gradient's terms
+  one all_reduce(MAX) of those maxima (as exponents)
+  pass 2: logits -> dL/dz -> the hidden gradient's two integer slices -> int64 sums
+  one all_reduce(SUM) of int64 (2, N, H): every rank gets the whole hidden gradient
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+
+import torch
+
+from . import agreement, contract, distributed
+from . import linear_contract as lc
+from .api import Call, LogprobResult, device_of, prepare_call
+from .autograd import Forward, Options, forward_pipeline, once_differentiable, validate_rows
+
+ROW_BLOCK = 256  # rows per forward block: fixed, so every rank issues the same collectives
+WEIGHT_BLOCK_ELEMENTS = 1 << 22  # quantized weight rows per GEMM: at most 32 MiB of fp64
+GRAD_BLOCK_ELEMENTS = 1 << 21  # backward temporaries per block of weight rows, per row
+
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@dataclass(frozen=True)
+class LinearOptions:
+    logit_scale: float  # rounded to fp32
+    has_bias: bool
+
+
+# --- argument checks ---
+
+
+def _check_linear(hidden, weight, bias, logit_scale) -> float:
+    """The hidden states, the weight shard and the bias; returns logit_scale in fp32."""
+    for name, t in (("hidden", hidden), ("weight", weight)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in _DTYPES:
+            raise TypeError(f"{name} must be bfloat16, float16 or float32, got {t.dtype}")
+    if hidden.dim() < 1:
+        raise ValueError("hidden must have a hidden dimension (..., H), got a 0-d tensor")
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be (V_local, H), got shape {tuple(weight.shape)}")
+    if weight.dtype != hidden.dtype:
+        raise TypeError(f"weight dtype {weight.dtype} must equal hidden dtype {hidden.dtype}")
+    h = hidden.shape[-1]
+    if weight.shape[1] != h:
+        raise ValueError(
+            f"weight shape {tuple(weight.shape)} must be (V_local, H) with H = {h}, the last "
+            "dimension of hidden"
+        )
+    if h > lc.MAX_HIDDEN:
+        raise ValueError(f"the hidden size {h} is larger than {lc.MAX_HIDDEN} (int64 sums)")
+    if weight.device != hidden.device:
+        raise ValueError(f"weight is on {weight.device} but must be on {hidden.device}")
+    if bias is not None:
+        if not isinstance(bias, torch.Tensor) or bias.dtype not in _DTYPES:
+            kind = bias.dtype if isinstance(bias, torch.Tensor) else type(bias).__name__
+            raise TypeError(f"bias must be None or a bf16/fp16/fp32 tensor, got {kind}")
+        if tuple(bias.shape) != (weight.shape[0],):
+            raise ValueError(
+                f"bias shape {tuple(bias.shape)} must be (V_local,) = ({weight.shape[0]},)"
+            )
+        if bias.device != hidden.device:
+            raise ValueError(f"bias is on {bias.device} but must be on {hidden.device}")
+    if isinstance(logit_scale, bool) or not isinstance(logit_scale, numbers.Real):
+        raise TypeError(f"logit_scale must be a float, got {type(logit_scale).__name__}")
+    scale = contract.fp32_temperature(logit_scale)  # the same rounding to fp32
+    if not (math.isfinite(scale) and scale > 0.0):
+        raise ValueError(
+            f"logit_scale must be finite and > 0 in float32, got {logit_scale!r} (float32: "
+            f"{scale!r}); a model with a softcap (Gemma's final_logit_softcapping) is not "
+            "covered by the logits contract"
+        )
+    return scale
+
+
+def _linear_fields(hidden, bias, scale: float) -> dict:
+    return dict(
+        contract=agreement.contract_key(contract.CONTRACT, lc.LOGITS_CONTRACT),
+        hidden=hidden.shape[-1],
+        hidden_dtype=agreement.dtype_code(hidden.dtype),
+        logit_scale=agreement.fp32_bits(scale),
+        bias=int(bias is not None),
+    )
+
+
+# --- the logits of a block of rows ---
+
+
+class _Weight:
+    """The weight shard's exponents, quantized one block of rows at a time."""
+
+    def __init__(self, weight, bias, scale: float, backend):
+        self.weight, self.bias, self.scale, self.backend = weight, bias, scale, backend
+        self.f, self.finite = lc.row_exponents(weight)
+        h = max(weight.shape[1], 1)
+        self.block = max(1, WEIGHT_BLOCK_ELEMENTS // h)
+
+    def slices(self, size: int):
+        for v0 in range(0, self.weight.shape[0], size):
+            yield slice(v0, min(v0 + size, self.weight.shape[0]))
+
+    def blocks(self, size: int | None = None):
+        """(slice, quantized rows (P, H) fp64) over the shard's rows."""
+        for rows in self.slices(size or self.block):
+            yield rows, lc.quantize(self.weight[rows], self.f[rows], self.finite[rows])
+
+    def logits(self, a, e, finite_h, rows: slice, c) -> torch.Tensor:
+        bias = None if self.bias is None else self.bias[rows]
+        return lc.logits_block(
+            a, e, finite_h, c, self.f[rows], self.finite[rows], bias, self.scale,
+            self.backend.exact_dot,
+        )  # fmt: skip
+
+
+def _hidden(hidden):
+    e, finite = lc.row_exponents(hidden)
+    return lc.quantize(hidden, e, finite), e, finite
+
+
+def _logits(hidden, w: _Weight) -> torch.Tensor:
+    """(R, V_local) fp32: contract exactlogp-linear-v1 for these rows."""
+    a, e, finite = _hidden(hidden)
+    out = torch.empty(hidden.shape[0], w.weight.shape[0], dtype=torch.float32, device=a.device)
+    for rows, c in w.blocks():
+        out[:, rows] = w.logits(a, e, finite, rows, c)
+    return out
+
+
+def hidden_fingerprint(hidden: torch.Tensor) -> torch.Tensor:
+    """(1, N) integers below 2^23: a checksum of each row's bits, riding the all_reduce(MAX)
+    so that ranks handed different hidden states find out."""
+    bits = hidden.contiguous().view({2: torch.int16, 4: torch.int32}[hidden.element_size()])
+    u = bits.to(torch.int64) & 0xFFFFFFFF
+    k = torch.arange(hidden.shape[-1], device=hidden.device) % 8191 + 1
+    return ((u % 8191) * k).sum(-1).remainder(8388593).unsqueeze(0)
+
+
+# --- the autograd functions ---
+
+
+class LinearLogitsFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, scale, backend):
+        ctx.save_for_backward(hidden, weight, bias)
+        ctx.scale, ctx.backend = scale, backend
+        return _logits(hidden, _Weight(weight, bias, scale, backend))
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g_logits):
+        hidden, weight, bias = ctx.saved_tensors
+        w = _Weight(weight, bias, ctx.scale, ctx.backend)
+        g = g_logits.to(torch.float64) * ctx.scale  # exact: fp32 * fp32
+        live = (g != 0).any(-1) | ~torch.isfinite(g).all(-1)
+        grads = _Grads(hidden, w, live, ctx.needs_input_grad)
+        for rows in w.slices(_grad_block(hidden.shape[0])):
+            grads.weight_block(rows, g[:, rows])
+            grads.track(rows, g[:, rows])
+        big = grads.grid()
+        for rows, c in w.blocks(_grad_block(hidden.shape[0])):
+            grads.hidden_block(rows, c, g[:, rows], big)
+        return grads.hidden(big), grads.dw, grads.db, None, None
+
+
+class LinearSelectedLogprobsFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, target, temperature_tensor, scalar_temperature,
+                opts: Options, lin: LinearOptions):  # fmt: skip
+        temperature = scalar_temperature if temperature_tensor is None else temperature_tensor
+        w = _Weight(weight, bias, lin.logit_scale, opts.backend)
+        n = hidden.shape[0]
+        fingerprint = hidden_fingerprint(hidden) if opts.group.distributed else None
+        parts = []
+        for r0 in range(0, n, ROW_BLOCK):
+            rows = slice(r0, min(n, r0 + ROW_BLOCK))
+            tau = temperature[rows] if isinstance(temperature, torch.Tensor) else temperature
+            fields = None if fingerprint is None else fingerprint[:, rows]
+            logits = _logits(hidden[rows], w)
+            parts.append(forward_pipeline(logits, target[rows], tau, None, opts, fields))
+            del logits
+        forward = _combine(parts, n, hidden.device)
+        if opts.validate:
+            validate_rows(forward, target, temperature, opts)
+        fin = forward.fin
+        ctx.opts, ctx.lin, ctx.scalar_temperature = opts, lin, scalar_temperature
+        ctx.save_for_backward(
+            hidden, weight, bias, target, temperature_tensor, forward.row_max,
+            fin.s_hi, fin.s_lo, fin.log_s, fin.entropy64, fin.bad, fin.ignored,
+        )  # fmt: skip
+        entropy = fin.entropy if opts.plan.with_entropy else fin.entropy.new_empty(0)
+        if not opts.plan.with_entropy:
+            ctx.mark_non_differentiable(entropy)
+        return fin.logprobs, entropy, fin.lse
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g_logprobs, g_entropy, g_lse):
+        (hidden, weight, bias, target, temperature_tensor, row_max,
+         s_hi, s_lo, log_s, entropy64, bad, ignored) = ctx.saved_tensors  # fmt: skip
+        opts, lin = ctx.opts, ctx.lin
+        rows = contract.RowStats(s_hi, s_lo, log_s, entropy64, bad, ignored)
+        g_entropy = g_entropy if opts.plan.with_entropy else None
+        stats = contract.grad_stats(row_max, rows, g_logprobs, g_entropy, g_lse)
+        tau = contract.grad_temperature(
+            stats, ctx.scalar_temperature if temperature_tensor is None else temperature_tensor
+        )
+        w = _Weight(weight, bias, lin.logit_scale, opts.backend)
+        a, e, finite = _hidden(hidden)
+        grads = _Grads(hidden, w, ~stats.silent, ctx.needs_input_grad)
+        block = _grad_block(hidden.shape[0])
+
+        def dlogits(rows: slice, c) -> torch.Tensor:  # (N, P) fp64: dL/dz * logit_scale
+            z = w.logits(a, e, finite, rows, c)
+            plan = _shifted(opts.plan, rows.start)
+            g = opts.backend.grad(z, target, tau, None, stats, plan)
+            return g.to(torch.float64) * lin.logit_scale
+
+        for rows, c in w.blocks(block):  # pass 1
+            g = dlogits(rows, c)
+            grads.weight_block(rows, g)
+            grads.track(rows, g)
+        if not grads.needs_hidden:
+            return None, grads.dw, grads.db, None, None, None, None, None
+        big = grads.grid(opts.group)
+        for rows, c in w.blocks(block):  # pass 2
+            grads.hidden_block(rows, c, dlogits(rows, c), big)
+        return grads.hidden(big, opts.group), grads.dw, grads.db, None, None, None, None, None
+
+
+def _shifted(plan, offset: int):
+    from .backends import ShardPlan
+
+    return ShardPlan(plan.vocab_start + offset, plan.vocab_size, plan.ignore_index,
+                     plan.with_entropy)  # fmt: skip
+
+
+def _grad_block(num_rows: int) -> int:
+    return max(1, min(lc.K_CHUNK, GRAD_BLOCK_ELEMENTS // max(num_rows, 1)))
+
+
+class _Grads:
+    """The three gradients of z = h W^T + b, accumulated block of weight rows by block."""
+
+    def __init__(self, hidden, w: _Weight, live, needs):
+        self.hidden_in, self.w, self.live = hidden, w, live
+        self.needs_hidden, needs_weight, needs_bias = needs[0], needs[1], needs[2]
+        n, h = hidden.shape
+        dev = hidden.device
+        self.dw = torch.empty_like(w.weight) if needs_weight else None
+        self.db = torch.empty_like(w.bias) if needs_bias and w.bias is not None else None
+        if needs_weight:  # h quantized per column over the live rows
+            self.eps, self.finite_eps = lc.column_exponents(hidden, live)
+            masked = torch.where(live.unsqueeze(-1), hidden, 0.0)
+            self.a_col = lc.quantize(masked, self.eps, self.finite_eps, dim=0)
+        else:  # the bias alone needs no h
+            self.eps = torch.zeros(0, dtype=torch.int64, device=dev)
+            self.finite_eps = torch.ones(0, dtype=torch.bool, device=dev)
+            self.a_col = torch.zeros(n, 0, dtype=torch.float64, device=dev)
+        self.row_max = torch.zeros(n, dtype=torch.float64, device=dev)
+        self.row_bad = torch.zeros(n, dtype=torch.bool, device=dev)
+        self.z = torch.zeros(2, n, h, dtype=torch.int64, device=dev)
+
+    def weight_block(self, rows: slice, g: torch.Tensor) -> None:
+        if self.dw is None and self.db is None:
+            return
+        dw, db = lc.grad_weight_block(
+            g, self.live, self.a_col, self.eps, self.finite_eps, self.w.backend.exact_dot
+        )
+        if self.dw is not None:
+            self.dw[rows] = dw.to(self.dw.dtype)
+        if self.db is not None:
+            self.db[rows] = db.to(self.db.dtype)
+
+    def track(self, rows: slice, g: torch.Tensor) -> None:
+        """The rows' largest |term| of the hidden gradient in this block (live rows)."""
+        if not self.needs_hidden:
+            return
+        y = lc.hidden_grad_scaled(g, self.w.f[rows])
+        finite = torch.isfinite(y)
+        self.row_bad |= ~finite.all(-1) & self.live
+        mag = torch.where(finite, y.abs(), 0.0)
+        if y.shape[-1]:
+            self.row_max = torch.maximum(self.row_max, mag.amax(-1))
+
+    def grid(self, group: distributed.Group | None = None) -> torch.Tensor:
+        """(N,) int64 G_n: 2^(G_n - 1) <= max over the whole vocabulary (all ranks) < 2^G_n;
+        a row with nothing (or NaN) anywhere gets 0. One all_reduce(MAX)."""
+        _, e = torch.frexp(self.row_max)
+        none = -(1 << 40)
+        packed = torch.stack(
+            [torch.where(self.row_max > 0, e.to(torch.int64), none), self.row_bad.to(torch.int64)]
+        )
+        if group is not None and group.distributed:
+            import torch.distributed as dist
+
+            dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=group.handle)
+        self.row_bad = packed[1] != 0
+        return torch.where(packed[0] == none, 0, packed[0])
+
+    def hidden_block(self, rows: slice, c: torch.Tensor, g: torch.Tensor, big) -> None:
+        y = lc.hidden_grad_scaled(g, self.w.f[rows])
+        live = self.live & ~self.row_bad
+        d1, d2 = lc.hidden_grad_slices(torch.where(torch.isfinite(y), y, 0.0), big, live)
+        ct = c.transpose(0, 1)
+        self.z[0] += self.w.backend.exact_dot(d1, ct)
+        self.z[1] += self.w.backend.exact_dot(d2, ct)
+
+    def hidden(self, big, group: distributed.Group | None = None) -> torch.Tensor | None:
+        if not self.needs_hidden:
+            return None
+        if group is not None:
+            distributed.all_reduce_sum_(self.z, group)
+        dh = lc.hidden_grad_round(self.z[0], self.z[1], big)
+        dh = torch.where(self.row_bad.unsqueeze(-1), torch.full_like(dh, float("nan")), dh)
+        return dh.to(self.hidden_in.dtype)
+
+
+def _combine(parts: list[Forward], n: int, device) -> Forward:
+    """One Forward for all rows from the blocks'; a disagreement found in any block poisons
+    every row, as it would in a single block."""
+    if not parts:
+        empty = torch.empty(0, device=device)
+        fin = contract.Finalized(
+            logprobs=empty, entropy=empty, lse=empty,
+            s_hi=empty.double(), s_lo=empty.double(), log_s=empty.double(),
+            entropy64=empty.double(), bad=empty.long(), ignored=empty.bool(),
+        )  # fmt: skip
+        record = torch.zeros(0, contract.NUM_COLS, dtype=torch.int64, device=device)
+        return Forward(empty, fin, record, None)
+    cat = lambda ts: torch.cat(list(ts))  # noqa: E731
+    fin = contract.Finalized(*(cat(getattr(p.fin, f) for p in parts)
+                               for f in contract.Finalized._fields))  # fmt: skip
+    row_max, record = cat(p.row_max for p in parts), cat(p.record for p in parts)
+    ranks = None
+    if parts[0].ranks is not None:
+        rs = [p.ranks for p in parts]
+        poison = torch.stack([r.poison.any() for r in rs]).any().expand(n)
+        ranks = agreement.RankCheck(
+            poison, cat(r.rows for r in rs), torch.stack([r.call for r in rs]).any(),
+            cat(r.target_max for r in rs), cat(r.target_min for r in rs),
+            torch.cat([r.differs for r in rs], dim=1),
+        )  # fmt: skip
+        nan = torch.full((), float("nan"), device=device)
+        fin = fin._replace(
+            logprobs=torch.where(poison, nan, fin.logprobs),
+            entropy=torch.where(poison, nan, fin.entropy),
+            lse=torch.where(poison, nan, fin.lse),
+            bad=fin.bad | torch.where(poison, contract.BAD_RANKS, 0),
+        )
+    return Forward(row_max, fin, record, ranks)
+
+
+# --- the public functions ---
+
+
+@torch.compiler.disable
+def linear_logits(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    logit_scale: float = 1.0,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """The logits of contract exactlogp-linear-v1: (..., V_local) fp32, exact dot products
+    of hidden (..., H) and weight (V_local, H) rounded once, + bias, * logit_scale.
+
+    The same bits for any batch, row order, vocab shard and backend. Differentiable w.r.t.
+    hidden, weight and bias (exact integer sums, rounded once; the hidden gradient is this
+    shard's part -- linear_selected_logprobs sums it over the TP group itself).
+    """
+    from .backends import get_backend
+
+    scale = _check_linear(hidden, weight, bias, logit_scale)
+    if not isinstance(backend, str):
+        raise TypeError(f"backend must be a str, got {type(backend).__name__}")
+    impl = get_backend(backend, hidden.device)
+    h = hidden.reshape(-1, hidden.shape[-1])
+    out = LinearLogitsFunction.apply(h, weight, bias, scale, impl)
+    return out.view(*hidden.shape[:-1], weight.shape[0])
+
+
+@torch.compiler.disable
+def linear_selected_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    tp_group=None,
+    vocab_start: int | None = None,
+    vocab_size: int | None = None,
+    temperature: float | torch.Tensor = 1.0,
+    logit_scale: float = 1.0,
+    ignore_index: int = -100,
+    with_entropy: bool = False,
+    validate: bool = True,
+    backend: str = "auto",
+) -> LogprobResult:
+    """selected_logprobs of the exact logits linear_logits(hidden, weight, bias, logit_scale)
+    -- bitwise the same outputs -- computed in blocks of rows, without [N, V] logits.
+
+    Args:
+        hidden: (..., H) bf16/fp16/fp32 final hidden states, the same on every TP rank
+            (taken from before any copy-to-tensor-parallel region: the hidden gradient is
+            summed over the vocab shards here, on every rank).
+        weight: (V_local, H) this rank's LM-head rows, hidden's dtype.
+        target: (...) global token ids, hidden's shape without H.
+        bias: (V_local,) or None.
+        logit_scale: multiplies the logits (fp32) before the temperature divides them
+            (Cohere's logit_scale; pass 1 / logits_scaling for Granite).
+        The other arguments are those of selected_logprobs (no keep_mask).
+
+    Gradients: hidden (the whole, summed over the TP group: one int64 all_reduce), weight
+    and bias (this shard's rows), exact integer sums rounded once; rows without a gradient
+    (ignored, or zero upstream) take part in nothing.
+    """
+    group = distributed.resolve(tp_group)
+    box = {}
+
+    def prepare() -> Call:
+        scale = _check_linear(hidden, weight, bias, logit_scale)
+        box["lin"] = LinearOptions(scale, bias is not None)
+        return prepare_call(
+            hidden, weight.shape[0], target, group, vocab_start, vocab_size, temperature,
+            False, ignore_index, with_entropy, validate, backend,
+            kind=agreement.KIND_LINEAR, extra_fields=_linear_fields(hidden, bias, scale),
+            source_name="hidden",
+        )  # fmt: skip
+
+    with distributed.serialized(group):
+        call = agreement.checked(group, validate, device_of(hidden, group), prepare)
+        h = hidden.reshape(-1, hidden.shape[-1])
+        tau = call.temperature
+        logprobs, entropy, lse = LinearSelectedLogprobsFunction.apply(
+            h, weight, bias, target.reshape(-1).to(torch.int64),
+            tau if isinstance(tau, torch.Tensor) else None,
+            tau if not isinstance(tau, torch.Tensor) else 1.0,
+            call.options, box["lin"],
+        )  # fmt: skip
+    shape = call.options.target_shape
+    return LogprobResult(
+        logprobs.view(shape),
+        entropy.view(shape) if with_entropy else None,
+        lse.view(shape),
+    )
+
+
+__all__ = ["LOGITS_CONTRACT", "linear_logits", "linear_selected_logprobs"]
+LOGITS_CONTRACT = lc.LOGITS_CONTRACT
