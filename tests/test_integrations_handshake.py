@@ -15,8 +15,7 @@ from exactlogp.integrations import autopatch, handshake
 def test_fingerprint_names_both_contracts():
     fp = handshake.contract_fingerprint()
     assert fp.startswith(exactlogp.CONTRACT + "+logits:")
-    logits = getattr(exactlogp, "LOGITS_CONTRACT", None)
-    assert fp.endswith(logits if logits else "none")
+    assert fp.endswith(exactlogp.LOGITS_CONTRACT)
 
 
 def test_stamped_batch_is_accepted_and_others_are_refused(monkeypatch):

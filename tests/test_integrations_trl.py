@@ -23,11 +23,6 @@ VOCAB = 509
 HALF = (torch.bfloat16, torch.float16)
 TOL = {torch.float64: 1e-12, torch.float32: 1e-5, torch.float16: 2e-2, torch.bfloat16: 1.3e-1}
 
-needs_linear = pytest.mark.skipif(
-    not hasattr(exactlogp, "linear_selected_logprobs"),
-    reason="needs exactlogp.linear_selected_logprobs",
-)
-
 
 def _logits(dtype, rows=12, seed=5):
     logits, index = llm_like_logits(rows, VOCAB, torch.float32, seed=seed)
@@ -213,7 +208,6 @@ def _head_case(dtype=torch.float32, n=40, h=32, v=VOCAB, seed=0):
     return hidden, weight, bias, targets
 
 
-@needs_linear
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_chunked_function_side_by_side(temperature):
     hidden, weight, bias, targets = _head_case()
@@ -238,7 +232,6 @@ def test_chunked_function_side_by_side(temperature):
     assert_bitwise_equal(ours[0].detach(), exact.logprobs, "log_probs bits")
 
 
-@needs_linear
 def test_chunked_function_refuses_softcapping():
     hidden, weight, bias, targets = _head_case()
     with pytest.raises(ValueError, match="final_logit_softcapping=30.0 is not supported"):
@@ -269,7 +262,6 @@ def _fused_pair(outputs, temperature=0.7, **config):
     return host, ours, ids, labels
 
 
-@needs_linear
 @pytest.mark.parametrize("shift", [False, True])
 def test_add_fused_lm_head_side_by_side(shift):
     outputs = ("log_probs", *trl.OPTIONAL_OUTPUTS)
@@ -295,7 +287,6 @@ def test_add_fused_lm_head_side_by_side(shift):
         torch.testing.assert_close(p.grad, q.grad, atol=1e-4, rtol=1e-3, msg=name)
 
 
-@needs_linear
 def test_add_fused_lm_head_reads_the_logit_scale_and_keeps_generate():
     host, ours, ids, labels = _fused_pair(("log_probs",), logits_scaling=4.0)
     a = ours(input_ids=ids, labels=labels, fused_lm_head=True, num_items_in_batch=5)
@@ -315,3 +306,24 @@ def test_add_fused_lm_head_refuses_softcapping_and_unknown_outputs():
         trl.add_fused_lm_head(model)
     with pytest.raises(ValueError, match=r"outputs \['logits'\] are unknown"):
         trl.add_fused_lm_head(tiny_model(), outputs=("log_probs", "logits"))
+
+
+@pytest.mark.parametrize("cast", [False, True])
+def test_add_fused_lm_head_on_a_bf16_model(cast):
+    import copy
+
+    host = tiny_model().to(torch.bfloat16)
+    ours = copy.deepcopy(host)
+    outputs = ("log_probs", "entropy")
+    trl_utils.add_fused_lm_head(host, temperature=0.9, cast_lm_head_to_fp32=cast, outputs=outputs)
+    trl.add_fused_lm_head(ours, temperature=0.9, cast_lm_head_to_fp32=cast, outputs=outputs)
+    ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(4))
+    a = ours(input_ids=ids, labels=ids, fused_lm_head=True)
+    b = host(input_ids=ids, labels=ids, fused_lm_head=True)
+    assert a.log_probs.dtype == b.log_probs.dtype == torch.float32
+    torch.testing.assert_close(a.log_probs, b.log_probs, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(a.entropy, b.entropy, atol=1e-4, rtol=1e-4)
+    a.loss.backward()
+    b.loss.backward()
+    for p, q in zip(ours.parameters(), host.parameters(), strict=True):
+        torch.testing.assert_close(p.grad.float(), q.grad.float(), atol=1e-2, rtol=1e-2)

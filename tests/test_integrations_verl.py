@@ -82,10 +82,6 @@ def test_bad_logits_type(case):
 
 
 TOL = {torch.float64: 1e-12, torch.float32: 1e-5, torch.float16: 2e-2, torch.bfloat16: 1.3e-1}
-needs_linear = pytest.mark.skipif(
-    not hasattr(exactlogp, "linear_selected_logprobs"),
-    reason="needs exactlogp.linear_selected_logprobs",
-)
 
 
 def _full(dtype, rows=12, vocab=333, seed=4):
@@ -195,7 +191,6 @@ def test_patch_verl_vocab_size_leaves_megatron_padding_out(monkeypatch):
         handle.undo()
 
 
-@needs_linear
 def test_fused_linear_for_ppo_side_by_side():
     g = torch.Generator().manual_seed(0)
     hidden = torch.randn(2, 7, 32, generator=g)
@@ -216,7 +211,6 @@ def test_fused_linear_for_ppo_side_by_side():
     assert_bitwise_equal(ours[0].detach(), exact.logprobs, "bits")
 
 
-@needs_linear
 def test_use_fused_kernels_model_forward_is_routed_to_exactlogp():
     """verl's fused forward imports FusedLinearForPPO at call time: the patch reaches it."""
     from transformers import Qwen3Config, Qwen3ForCausalLM

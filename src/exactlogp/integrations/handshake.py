@@ -16,13 +16,11 @@ from collections.abc import Mapping, MutableMapping
 import exactlogp
 
 FINGERPRINT_KEY = "exactlogp_contract"
-_NO_LOGITS_CONTRACT = "none"  # an exactlogp without linear_logits
 
 
 def contract_fingerprint() -> str:
     """'<logprob contract>+logits:<linear-logits contract>' of this exactlogp."""
-    logits = getattr(exactlogp, "LOGITS_CONTRACT", None) or _NO_LOGITS_CONTRACT
-    return f"{exactlogp.CONTRACT}+logits:{logits}"
+    return f"{exactlogp.CONTRACT}+logits:{exactlogp.LOGITS_CONTRACT}"
 
 
 def stamp(meta: MutableMapping) -> MutableMapping:

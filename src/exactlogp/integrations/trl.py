@@ -32,6 +32,7 @@ from contextlib import nullcontext
 
 import torch
 
+from ..linear import linear_logits, linear_selected_logprobs
 from . import _patching, _rows
 from ._dtensor import is_dtensor, vocab_shard
 
@@ -164,7 +165,6 @@ def chunked_logprobs(
             "use TRL's own fused head (unpatch_trl()) for this model"
         )
     _rows.check_positive_temperature(temperature)
-    linear_selected_logprobs = _linear("linear_selected_logprobs")
     compute = _compute_dtype(hidden)
     with (
         _no_autocast(hidden.device)
@@ -323,7 +323,7 @@ def _extras(result, hidden, head, targets, temperature, logit_scale, outputs):
         if "log_sum_sq_probs" in outputs:
             # log sum_v p_v^2 = lse(2 z) - 2 lse(z), and 2 z is z at temperature / 2 exactly
             # (halving a float is exact), so both terms are exactlogp's log-sum-exp.
-            half = _linear("linear_selected_logprobs")(
+            half = linear_selected_logprobs(
                 hidden, head.weight, targets, bias=head.bias, tp_group=head.tp_group,
                 vocab_start=head.vocab_start, vocab_size=head.vocab_size,
                 temperature=temperature / 2, logit_scale=logit_scale,
@@ -342,7 +342,6 @@ def _extras(result, hidden, head, targets, temperature, logit_scale, outputs):
 
 
 def _logit_stats(hidden, head, targets, temperature, logit_scale, outputs):
-    linear_logits = _linear("linear_logits")
     means, tops = [], []
     for lo in range(0, hidden.shape[0], _ROW_BLOCK):
         z = linear_logits(
@@ -423,17 +422,6 @@ def _router_aux_loss(model, text_config, states, attention_mask):
     if per_token is None:
         per_token = getattr(model, "num_experts_per_tok", None)
     return load_balancing_loss_func(states.router_logits, experts, per_token, attention_mask)
-
-
-def _linear(name: str):
-    import exactlogp
-
-    fn = getattr(exactlogp, name, None)
-    if fn is None:
-        raise NotImplementedError(
-            f"the fused LM head needs exactlogp.{name}, which this exactlogp does not have"
-        )
-    return fn
 
 
 # --- patching TRL ---

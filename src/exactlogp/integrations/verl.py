@@ -35,6 +35,7 @@ import warnings
 import torch
 
 from ..api import LogprobResult, selected_logprobs
+from ..linear import linear_selected_logprobs
 from . import _patching, _rows
 from .megatron import resolve_tp_group
 
@@ -178,7 +179,7 @@ def linear_cross_entropy(
             "the per-token values yourself"
         )
     hidden = hidden.reshape(-1, hidden.shape[-1])
-    result = _linear()(
+    result = linear_selected_logprobs(
         hidden,
         weight,
         labels.reshape(-1).to(torch.int64),
@@ -207,18 +208,6 @@ class FusedLinearForPPO(torch.nn.Module):
             hidden_states, vocab_weights, input_ids, float(temperature)
         )
         return log_probs.view(shape), entropy.view(shape).to(hidden_states.dtype)
-
-
-def _linear():
-    import exactlogp
-
-    fn = getattr(exactlogp, "linear_selected_logprobs", None)
-    if fn is None:
-        raise NotImplementedError(
-            "verl's fused kernels need exactlogp.linear_selected_logprobs, which this "
-            "exactlogp does not have"
-        )
-    return fn
 
 
 # --- patching verl ---
