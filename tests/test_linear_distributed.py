@@ -117,3 +117,31 @@ def test_ranks_with_other_hidden_states_or_sizes_fail_closed():
         assert kind == "returned" and torch.isnan(value).all()
         kind, text = out["hidden_size"]
         assert kind == "raised" and "disagree on the hidden size (rank 0: 48, rank 1: 47)" in text
+
+
+def sequence_parallel_worker(rank, world, group, inputs):
+    from exactlogp.linear import gather_sequence_parallel
+
+    h, w, bias, t = inputs
+    per = ROWS // world
+    shard = h[rank * per : (rank + 1) * per].clone().requires_grad_(True)
+    vper = -(-VOCAB // world)
+    wp = torch.cat([w, torch.zeros(vper * world - VOCAB, HIDDEN, dtype=w.dtype)])
+    full = gather_sequence_parallel(shard, group)
+    res = exactlogp.linear_selected_logprobs(
+        full, wp[rank * vper : (rank + 1) * vper], t, tp_group=group, vocab_size=VOCAB
+    )
+    res.logprobs.sum().backward()
+    return res.logprobs, shard.grad
+
+
+def test_sequence_parallel_hidden_gets_its_slice_of_the_gradient_once():
+    h, w, bias, t = make_inputs()
+    hh = h.clone().requires_grad_(True)
+    want = exactlogp.linear_selected_logprobs(hh, w, t)
+    want.logprobs.sum().backward()
+    results = run_gloo_world(2, sequence_parallel_worker, make_inputs(), timeout=180)
+    per = ROWS // 2
+    for rank, (lp, grad) in enumerate(results):
+        assert_bitwise_equal(lp, want.logprobs)
+        assert_bitwise_equal(grad, hh.grad[rank * per : (rank + 1) * per])

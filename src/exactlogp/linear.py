@@ -35,7 +35,9 @@ from .api import Call, LogprobResult, device_of, prepare_call
 from .autograd import Forward, Options, forward_pipeline, once_differentiable, validate_rows
 
 ROW_BLOCK = 256  # rows per forward block: fixed, so every rank issues the same collectives
-WEIGHT_BLOCK_ELEMENTS = 1 << 22  # quantized weight rows per GEMM: at most 32 MiB of fp64
+LOGITS_BUDGET = 128 << 20  # bytes of fp32 logits computed per pass over the weight (at
+# least one block): several blocks share one quantization of the weight
+WEIGHT_BLOCK_ELEMENTS = 1 << 21  # quantized weight rows per GEMM: at most 16 MiB of fp64
 GRAD_BLOCK_ELEMENTS = 1 << 21  # backward temporaries per block of weight rows, per row
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -114,6 +116,7 @@ class _Weight:
     def __init__(self, weight, bias, scale: float, backend):
         self.weight, self.bias, self.scale, self.backend = weight, bias, scale, backend
         self.f, self.finite = lc.row_exponents(weight)
+        self.col_scale = lc.unit_scales(self.f, self.finite)
         h = max(weight.shape[1], 1)
         self.block = max(1, WEIGHT_BLOCK_ELEMENTS // h)
 
@@ -126,25 +129,25 @@ class _Weight:
         for rows in self.slices(size or self.block):
             yield rows, lc.quantize(self.weight[rows], self.f[rows], self.finite[rows])
 
-    def logits(self, a, e, finite_h, rows: slice, c) -> torch.Tensor:
+    def logits(self, a, row_scale, rows: slice, c, out=None) -> torch.Tensor:
         bias = None if self.bias is None else self.bias[rows]
         return lc.logits_block(
-            a, e, finite_h, c, self.f[rows], self.finite[rows], bias, self.scale,
-            self.backend.exact_dot,
-        )  # fmt: skip
+            a, row_scale, c, self.col_scale[rows], bias, self.scale, self.backend.exact_dot, out
+        )
 
 
 def _hidden(hidden):
+    """(integers, row scales 2^(e - 2 QBITS) or NaN) of hidden rows."""
     e, finite = lc.row_exponents(hidden)
-    return lc.quantize(hidden, e, finite), e, finite
+    return lc.quantize(hidden, e, finite), lc.unit_scales(e - 2 * lc.QBITS, finite)
 
 
 def _logits(hidden, w: _Weight) -> torch.Tensor:
     """(R, V_local) fp32: contract exactlogp-linear-v1 for these rows."""
-    a, e, finite = _hidden(hidden)
+    a, row_scale = _hidden(hidden)
     out = torch.empty(hidden.shape[0], w.weight.shape[0], dtype=torch.float32, device=a.device)
     for rows, c in w.blocks():
-        out[:, rows] = w.logits(a, e, finite, rows, c)
+        w.logits(a, row_scale, rows, c, out[:, rows])
     return out
 
 
@@ -173,7 +176,7 @@ class LinearLogitsFunction(torch.autograd.Function):
         hidden, weight, bias = ctx.saved_tensors
         w = _Weight(weight, bias, ctx.scale, ctx.backend)
         g = g_logits.to(torch.float64) * ctx.scale  # exact: fp32 * fp32
-        live = (g != 0).any(-1) | ~torch.isfinite(g).all(-1)
+        live = g.abs().amax(-1) != 0  # also true for NaN
         grads = _Grads(hidden, w, live, ctx.needs_input_grad)
         for rows in w.slices(_grad_block(hidden.shape[0])):
             grads.weight_block(rows, g[:, rows])
@@ -192,14 +195,17 @@ class LinearSelectedLogprobsFunction(torch.autograd.Function):
         w = _Weight(weight, bias, lin.logit_scale, opts.backend)
         n = hidden.shape[0]
         fingerprint = hidden_fingerprint(hidden) if opts.group.distributed else None
+        per_pass = max(1, LOGITS_BUDGET // (4 * max(weight.shape[0], 1) * ROW_BLOCK)) * ROW_BLOCK
         parts = []
-        for r0 in range(0, n, ROW_BLOCK):
-            rows = slice(r0, min(n, r0 + ROW_BLOCK))
-            tau = temperature[rows] if isinstance(temperature, torch.Tensor) else temperature
-            fields = None if fingerprint is None else fingerprint[:, rows]
-            logits = _logits(hidden[rows], w)
-            parts.append(forward_pipeline(logits, target[rows], tau, None, opts, fields))
-            del logits
+        for p0 in range(0, n, per_pass):  # one pass over the weight for up to per_pass rows
+            logits = _logits(hidden[p0 : p0 + per_pass], w)
+            for r0 in range(p0, min(n, p0 + per_pass), ROW_BLOCK):  # the same on every rank
+                rows = slice(r0, min(n, r0 + ROW_BLOCK))
+                tau = temperature[rows] if isinstance(temperature, torch.Tensor) else temperature
+                fields = None if fingerprint is None else fingerprint[:, rows]
+                block = logits[r0 - p0 : rows.stop - p0]
+                parts.append(forward_pipeline(block, target[rows], tau, None, opts, fields))
+            del logits, block  # before the next pass allocates its own
         forward = _combine(parts, n, hidden.device)
         if opts.validate:
             validate_rows(forward, target, temperature, opts)
@@ -227,15 +233,15 @@ class LinearSelectedLogprobsFunction(torch.autograd.Function):
             stats, ctx.scalar_temperature if temperature_tensor is None else temperature_tensor
         )
         w = _Weight(weight, bias, lin.logit_scale, opts.backend)
-        a, e, finite = _hidden(hidden)
+        a, row_scale = _hidden(hidden)
         grads = _Grads(hidden, w, ~stats.silent, ctx.needs_input_grad)
         block = _grad_block(hidden.shape[0])
 
         def dlogits(rows: slice, c) -> torch.Tensor:  # (N, P) fp64: dL/dz * logit_scale
-            z = w.logits(a, e, finite, rows, c)
+            z = w.logits(a, row_scale, rows, c)
             plan = _shifted(opts.plan, rows.start)
-            g = opts.backend.grad(z, target, tau, None, stats, plan)
-            return g.to(torch.float64) * lin.logit_scale
+            g = opts.backend.grad(z, target, tau, None, stats, plan).to(torch.float64)
+            return g if lin.logit_scale == 1.0 else g.mul_(lin.logit_scale)  # exact
 
         for rows, c in w.blocks(block):  # pass 1
             g = dlogits(rows, c)
@@ -279,14 +285,13 @@ class _Grads:
             self.finite_eps = torch.ones(0, dtype=torch.bool, device=dev)
             self.a_col = torch.zeros(n, 0, dtype=torch.float64, device=dev)
         self.row_max = torch.zeros(n, dtype=torch.float64, device=dev)
-        self.row_bad = torch.zeros(n, dtype=torch.bool, device=dev)
         self.z = torch.zeros(2, n, h, dtype=torch.int64, device=dev)
 
     def weight_block(self, rows: slice, g: torch.Tensor) -> None:
         if self.dw is None and self.db is None:
             return
         dw, db = lc.grad_weight_block(
-            g, self.live, self.a_col, self.eps, self.finite_eps, self.w.backend.exact_dot
+            g, self.a_col, self.eps, self.finite_eps, self.w.backend.exact_dot
         )
         if self.dw is not None:
             self.dw[rows] = dw.to(self.dw.dtype)
@@ -294,24 +299,22 @@ class _Grads:
             self.db[rows] = db.to(self.db.dtype)
 
     def track(self, rows: slice, g: torch.Tensor) -> None:
-        """The rows' largest |term| of the hidden gradient in this block (live rows)."""
-        if not self.needs_hidden:
+        """The rows' largest |term| of the hidden gradient in this block (NaN and inf
+        make it non-finite: the row's gradient is NaN)."""
+        if not self.needs_hidden or g.shape[-1] == 0:
             return
-        y = lc.hidden_grad_scaled(g, self.w.f[rows])
-        finite = torch.isfinite(y)
-        self.row_bad |= ~finite.all(-1) & self.live
-        mag = torch.where(finite, y.abs(), 0.0)
-        if y.shape[-1]:
-            self.row_max = torch.maximum(self.row_max, mag.amax(-1))
+        top = lc.hidden_grad_terms(g, self.w.f[rows]).abs().amax(-1)
+        self.row_max = torch.maximum(self.row_max, top)  # NaN propagates
 
     def grid(self, group: distributed.Group | None = None) -> torch.Tensor:
         """(N,) int64 G_n: 2^(G_n - 1) <= max over the whole vocabulary (all ranks) < 2^G_n;
-        a row with nothing (or NaN) anywhere gets 0. One all_reduce(MAX)."""
-        _, e = torch.frexp(self.row_max)
+        a row with nothing anywhere gets 0, a non-finite one is marked bad. One
+        all_reduce(MAX)."""
+        bad = ~torch.isfinite(self.row_max)
+        top = torch.where(bad, 0.0, self.row_max)
+        _, e = torch.frexp(top)
         none = -(1 << 40)
-        packed = torch.stack(
-            [torch.where(self.row_max > 0, e.to(torch.int64), none), self.row_bad.to(torch.int64)]
-        )
+        packed = torch.stack([torch.where(top > 0, e.to(torch.int64), none), bad.to(torch.int64)])
         if group is not None and group.distributed:
             import torch.distributed as dist
 
@@ -320,12 +323,11 @@ class _Grads:
         return torch.where(packed[0] == none, 0, packed[0])
 
     def hidden_block(self, rows: slice, c: torch.Tensor, g: torch.Tensor, big) -> None:
-        y = lc.hidden_grad_scaled(g, self.w.f[rows])
-        live = self.live & ~self.row_bad
-        d1, d2 = lc.hidden_grad_slices(torch.where(torch.isfinite(y), y, 0.0), big, live)
-        ct = c.transpose(0, 1)
-        self.z[0] += self.w.backend.exact_dot(d1, ct)
-        self.z[1] += self.w.backend.exact_dot(d2, ct)
+        """Adds this block's two slices of sum_v D[n, v] C[v, k] (a NaN row of g spoils
+        only its own row of the sums, which comes out NaN anyway)."""
+        d1, d2 = lc.hidden_grad_slices(lc.hidden_grad_terms(g, self.w.f[rows]), big)
+        self.z[0] += self.w.backend.exact_dot(d1, c.transpose(0, 1)).to(torch.int64)
+        self.z[1] += self.w.backend.exact_dot(d2, c.transpose(0, 1)).to(torch.int64)
 
     def hidden(self, big, group: distributed.Group | None = None) -> torch.Tensor | None:
         if not self.needs_hidden:
@@ -468,5 +470,48 @@ def linear_selected_logprobs(
     )
 
 
-__all__ = ["LOGITS_CONTRACT", "linear_logits", "linear_selected_logprobs"]
+class _GatherRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, shard, group):
+        import torch.distributed as dist
+
+        parts = [torch.empty_like(shard) for _ in range(group.size)]
+        dist.all_gather(parts, shard.contiguous(), group=group.handle)
+        ctx.rows = slice(group.rank * shard.shape[0], (group.rank + 1) * shard.shape[0])
+        return torch.cat(parts)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g[ctx.rows], None
+
+
+def gather_sequence_parallel(hidden_shard: torch.Tensor, tp_group) -> torch.Tensor:
+    """The whole (N, H) hidden states from this rank's sequence-parallel shard (N / TP, H),
+    for linear_selected_logprobs: all_gather in forward, and in backward this rank's slice
+    of the gradient -- the op already returns the whole hidden gradient on every rank, so a
+    reduce-scatter (Megatron's gather_from_sequence_parallel_region) would count it TP
+    times. Shards must have equal sizes (as sequence parallelism makes them)."""
+    group = distributed.resolve(tp_group)
+    if not group.distributed:
+        return hidden_shard
+    sizes = (
+        distributed.all_gather_int64(
+            torch.tensor([hidden_shard.shape[0]], device=hidden_shard.device), group
+        )
+        .flatten()
+        .tolist()
+    )
+    if len(set(sizes)) > 1:
+        raise ValueError(
+            f"sequence-parallel shards must have equal sizes, got {sizes} rows per rank"
+        )
+    return _GatherRows.apply(hidden_shard, group)
+
+
+__all__ = [
+    "LOGITS_CONTRACT",
+    "gather_sequence_parallel",
+    "linear_logits",
+    "linear_selected_logprobs",
+]
 LOGITS_CONTRACT = lc.LOGITS_CONTRACT

@@ -59,12 +59,18 @@ def column_exponents(x: torch.Tensor, live: torch.Tensor):
 
 def quantize(x: torch.Tensor, exps: torch.Tensor, finite: torch.Tensor, dim: int = -1):
     """rint_even(x 2^(QBITS - e)) as integer-valued fp64, e (and finite) along `dim`'s
-    other axis: per row for dim=-1, per column for dim=0. Non-finite rows give 0."""
+    other axis: per row for dim=-1, per column for dim=0. Non-finite rows are 0 (the NaN
+    scales of unit_scales mark their outputs)."""
     scale = contract.pow2(QBITS - exps)
     if dim == -1:
         scale, finite = scale.unsqueeze(-1), finite.unsqueeze(-1)
-    q = (x.to(torch.float64) * scale + contract.MAGIC) - contract.MAGIC  # exact, |.| <= 2^20
+    q = torch.round(x.to(torch.float64) * scale)  # exact product; ties to even; <= 2^20
     return torch.where(finite, q, 0.0)
+
+
+def unit_scales(exps: torch.Tensor, finite: torch.Tensor) -> torch.Tensor:
+    """2^exps as fp64, NaN where not finite."""
+    return torch.where(finite, contract.pow2(exps), float("nan"))
 
 
 # --- L3. the exact integer dot products ---
@@ -78,11 +84,14 @@ def exact_dot(a: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
 
 def float_exact_dot(a: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     """exact_dot through fp64 GEMMs over K-chunks of K_CHUNK: each chunk's every partial
-    sum is an integer below 2^53, so the GEMM's order, blocking and FMA cannot change it;
-    the chunks are added in int64."""
+    sum is an integer of at most 2^53, so the GEMM's order, blocking and FMA cannot change
+    it. One chunk's result is returned as it is (integer-valued fp64, exact); several are
+    added in int64."""
     a, c = a.to(torch.float64), c.to(torch.float64)
+    if a.shape[-1] <= K_CHUNK:
+        return a @ c.transpose(0, 1)
     out = None
-    for k0 in range(0, max(a.shape[-1], 1), K_CHUNK):
+    for k0 in range(0, a.shape[-1], K_CHUNK):
         part = (a[:, k0 : k0 + K_CHUNK] @ c[:, k0 : k0 + K_CHUNK].transpose(0, 1)).to(torch.int64)
         out = part if out is None else out + part
     return out
@@ -91,12 +100,15 @@ def float_exact_dot(a: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
 # --- L4. one rounding of an exact integer times a power of two ---
 
 
-def round_scaled(hi: torch.Tensor, exp: torch.Tensor, lo: torch.Tensor | None = None,
-                 lo_bits: int = 0) -> torch.Tensor:  # fmt: skip
-    """fl32((hi 2^lo_bits + lo) 2^exp), correctly rounded, for int64 hi (|hi| < 2^62) and
-    0 <= lo < 2^lo_bits <= 2^20 (lo None: 0). The value is first rounded to 53 bits to odd
-    (exact error by TwoSum; an inexact result gets an odd last bit), which makes the final
-    rounding to fp32 -- normal, subnormal or overflowing -- the correct one."""
+def odd53(hi: torch.Tensor, lo: torch.Tensor | None = None, lo_bits: int = 0) -> torch.Tensor:
+    """hi 2^lo_bits + lo rounded to 53 bits *to odd*, as fp64: the exact value when it fits,
+    else the neighbour whose last bit is odd. Rounding that once more to fp32 (with any
+    exact power-of-two scaling in between) is the correctly rounded fp32 of the exact
+    value -- normal, subnormal or overflowing. hi: int64 with |hi| < 2^62, 0 <= lo <
+    2^lo_bits <= 2^20 (lo None: 0); or an integer-valued fp64 tensor of at most 2^53
+    (exact_dot of one K-chunk), returned as it is."""
+    if hi.dtype == torch.float64 and lo is None:
+        return hi
     a = hi.to(torch.float64)
     tail = (hi - a.to(torch.int64)) * (1 << lo_bits)  # exact, |.| <= 2^(9 + lo_bits)
     if lo is not None:
@@ -105,8 +117,13 @@ def round_scaled(hi: torch.Tensor, exp: torch.Tensor, lo: torch.Tensor | None = 
     bits = s.view(torch.int64)
     even_inexact = (err != 0) & ((bits & 1) == 0)
     toward = torch.where((err > 0) == (s > 0), 1, -1)  # one step of the last bit toward err
-    s = torch.where(even_inexact, (bits + toward).view(torch.float64), s)
-    return (s * contract.pow2(exp)).to(torch.float32)
+    return torch.where(even_inexact, (bits + toward).view(torch.float64), s)
+
+
+def round_scaled(hi: torch.Tensor, exp: torch.Tensor, lo: torch.Tensor | None = None,
+                 lo_bits: int = 0) -> torch.Tensor:  # fmt: skip
+    """fl32((hi 2^lo_bits + lo) 2^exp), correctly rounded (see odd53)."""
+    return (odd53(hi, lo, lo_bits) * contract.pow2(exp)).to(torch.float32)
 
 
 # --- L4-L5. a block of logits ---
@@ -114,24 +131,26 @@ def round_scaled(hi: torch.Tensor, exp: torch.Tensor, lo: torch.Tensor | None = 
 
 def logits_block(
     a: torch.Tensor,  # (R, H) integer-valued, from quantize
-    e: torch.Tensor,  # (R,) int64
-    finite_h: torch.Tensor,  # (R,) bool
+    row_scale: torch.Tensor,  # (R,) fp64: unit_scales(e - 2 QBITS, finite_h)
     c: torch.Tensor,  # (P, H) integer-valued
-    f: torch.Tensor,  # (P,) int64
-    finite_w: torch.Tensor,  # (P,) bool
+    col_scale: torch.Tensor,  # (P,) fp64: unit_scales(f, finite_w)
     bias: torch.Tensor | None,  # (P,) any float dtype
     logit_scale: float,  # already rounded to fp32
     dot=exact_dot,
+    out: torch.Tensor | None = None,  # (R, P) fp32 to write into
 ) -> torch.Tensor:
-    """(R, P) fp32 logits: L3-L5 for a block of rows and vocabulary rows."""
-    z = round_scaled(dot(a, c), e.unsqueeze(-1) + f.unsqueeze(0) - 2 * QBITS)
-    ok = finite_h.unsqueeze(-1) & finite_w.unsqueeze(0)
-    z = torch.where(ok, z, torch.full((), float("nan"), device=z.device))
+    """(R, P) fp32 logits: L3-L5 for a block of rows and vocabulary rows. The power of two
+    2^(e_n + f_v - 2 QBITS) is applied as two exact scalings (no fp64 overflow or
+    underflow is possible on the way), and NaN scales mark the non-finite rows/columns."""
+    z = odd53(dot(a, c))  # in place when the dot is already exact fp64
+    z = z.mul_(row_scale.unsqueeze(-1)).mul_(col_scale.unsqueeze(0))  # exact scalings
+    out = torch.empty(z.shape, dtype=torch.float32, device=z.device) if out is None else out
+    out.copy_(z)  # the one rounding to fp32
     if bias is not None:
-        z = z + bias.to(torch.float32)
+        out.add_(bias.to(torch.float32))
     if logit_scale != 1.0:
-        z = z * torch.full((), logit_scale, dtype=torch.float32, device=z.device)
-    return z
+        out.mul_(torch.full((), logit_scale, dtype=torch.float32, device=out.device))
+    return out
 
 
 # --- backward: the gradients of z = h W^T + b, through the same integers ---
@@ -147,33 +166,35 @@ def logits_block(
 #                                      ranks), in two 20-bit slices; one exact integer sum
 #                                      over the vocabulary, rounded once
 # Live rows are those with a gradient; the others take no part in any scale and add 0.
+# (The softmax contract gives them an exact +0 in every column, so g needs no masking; a
+# NaN in g only ever reaches outputs that are NaN anyway.)
 
 
-def grad_weight_block(g, live, a_col, eps, finite_eps, dot=exact_dot):
+def grad_weight_block(g, a_col, eps, finite_eps, dot=exact_dot):
     """(dW block (P, H) fp32, db block (P,) fp32) from g (R, P) fp64 (logit_scale folded
-    in) and a_col (R, H): h quantized per column (eps, finite_eps (H,)) over live rows."""
-    u, finite_u = column_exponents(g, live)
-    d = quantize(torch.where(live.unsqueeze(-1), g, 0.0), u, finite_u, dim=0)
-    z = dot(d.transpose(0, 1), a_col.transpose(0, 1))  # (P, H)
-    dw = round_scaled(z, u.unsqueeze(-1) + eps.unsqueeze(0) - 2 * QBITS)
-    db = round_scaled(d.to(torch.int64).sum(0), u - QBITS)
-    nan = torch.full((), float("nan"), device=dw.device)
-    dw = torch.where(finite_u.unsqueeze(-1) & finite_eps.unsqueeze(0), dw, nan)
-    return dw, torch.where(finite_u, db, nan)
+    in; +0 on the rows without gradient) and a_col (R, H): h quantized per column (eps,
+    finite_eps (H,)) over the live rows."""
+    u, finite_u = row_exponents(g.transpose(0, 1))
+    d = torch.round(g * contract.pow2(QBITS - u).unsqueeze(0))  # exact; |d| <= 2^20
+    z = odd53(dot(d.transpose(0, 1), a_col.transpose(0, 1)))  # (P, H)
+    dw = z.mul_(unit_scales(u - QBITS, finite_u).unsqueeze(-1))  # exact scalings, NaN marks
+    dw = dw.mul_(unit_scales(eps - QBITS, finite_eps).unsqueeze(0)).to(torch.float32)
+    db = d.sum(0) * unit_scales(u - QBITS, finite_u)  # exact: sums of <= 2^20-sized integers
+    return dw, db.to(torch.float32)
 
 
-def hidden_grad_scaled(g: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
-    """y' = g 2^(f_v - QBITS) (R, P) fp64: the hidden gradient's terms on C's integers."""
+def hidden_grad_terms(g: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
+    """y = g 2^(f_v - QBITS) (R, P) fp64, exact: the hidden gradient's terms on C's
+    integers (W = 2^(f_v - QBITS) C)."""
     return g * contract.pow2(f - QBITS).unsqueeze(0)
 
 
-def hidden_grad_slices(y: torch.Tensor, big: torch.Tensor, live: torch.Tensor):
-    """(D1, D2) integer-valued fp64 with y 2^(2 QBITS - G) = D1 2^QBITS + D2, rounded to
-    even; 0 <= D2 < 2^QBITS, |D1| <= 2^QBITS. `big` (R,) is G_n."""
-    scale = contract.pow2(2 * QBITS - big).unsqueeze(-1)
-    d = (torch.where(live.unsqueeze(-1), y, 0.0) * scale + contract.MAGIC) - contract.MAGIC
-    d1 = torch.floor(d * 2.0**-QBITS)
-    return d1, d - d1 * 2.0**QBITS
+def hidden_grad_slices(y: torch.Tensor, big: torch.Tensor):
+    """(D1, D2) integer-valued fp64 with rint_even(y 2^(2 QBITS - G)) = D1 2^QBITS + D2;
+    0 <= D2 < 2^QBITS, |D1| <= 2^QBITS. `big` (R,) is G_n (|y| < 2^G_n)."""
+    d = torch.round(y * contract.pow2(2 * QBITS - big).unsqueeze(-1))  # exact; <= 2^40
+    d2 = torch.remainder(d, float(1 << QBITS))  # exact for integers, in [0, 2^20)
+    return (d - d2) * 2.0**-QBITS, d2
 
 
 def hidden_grad_round(z1: torch.Tensor, z2: torch.Tensor, big: torch.Tensor) -> torch.Tensor:

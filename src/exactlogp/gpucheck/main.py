@@ -20,6 +20,8 @@
    ops), the forward replayed from a CUDA graph.
 3. The max pass's achieved HBM bandwidth (bytes read / time), beside a device copy's.
 4. The kernels compiled for this GPU's architecture and their code checked (ptx.py).
+5. The exact fused LM head (linear.py): bits of the Triton backend against the reference on
+   the CPU, and its latency against the bf16 LM-head GEMM + megatron-core's CE.
 
 Writes gpu_check.json and gpu_check.md to --out.
 
@@ -47,9 +49,9 @@ import torch
 import exactlogp
 
 from .. import contract
-from . import bits, speed
+from . import bits, linear, speed
 
-STAGES = ("bits", "latency", "bandwidth", "ptx")
+STAGES = ("bits", "latency", "bandwidth", "ptx", "fused")
 
 
 def environment(device) -> dict:
@@ -178,6 +180,10 @@ def main(argv: list[str] | None = None) -> int:
     if "ptx" not in args.skip:
         log("4. compiled code")
         _ptx(device, args.tiny, report, log)
+    if "fused" not in args.skip:
+        log("5. the fused LM head")
+        report["bits"] += linear.run_bits(device, args.tiny, log)
+        report["latency"] += linear.latency(device, args.tiny, args.repeats, args.warmup, log)
     report["elapsed_s"] = time.perf_counter() - started
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "gpu_check.json").write_text(json.dumps(report, indent=1, default=str))
