@@ -7,7 +7,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
-EXTRAS ?= test,dev,report,bench,megatron,examples
+EXTRAS ?= test,dev,report,bench,megatron,examples,trl,verl
 REPORT_ARGS ?=
 STAMP := $(VENV)/.exactlogp-setup
 

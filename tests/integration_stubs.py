@@ -104,3 +104,24 @@ def install_vllm_sampler(monkeypatch, sampler_cls) -> types.ModuleType:
     for name in ("vllm", "vllm.v1", "vllm.v1.sample"):
         _module(monkeypatch, name)
     return _module(monkeypatch, "vllm.v1.sample.sampler", Sampler=sampler_cls)
+
+
+STUB_ROOT = __import__("pathlib").Path(__file__).parent / "host_stubs"
+
+
+def use_stub_package(monkeypatch, name: str):
+    """Import `name` from tests/host_stubs for this test only; returns the package."""
+    import importlib
+
+    for key in [k for k in sys.modules if k == name or k.startswith(name + ".")]:
+        monkeypatch.delitem(sys.modules, key)
+    monkeypatch.syspath_prepend(str(STUB_ROOT))
+    package = importlib.import_module(name)
+    return package
+
+
+def drop_stub_modules(name: str) -> None:
+    for key in [k for k in sys.modules if k == name or k.startswith(name + ".")]:
+        module = sys.modules[key]
+        if str(STUB_ROOT) in str(getattr(module, "__file__", "") or ""):
+            del sys.modules[key]

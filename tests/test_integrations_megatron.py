@@ -423,3 +423,74 @@ def test_real_megatron_patch_reaches_the_model_loss(megatron_world):
             assert_bitwise_equal(
                 loss, mine.transpose(0, 1), f"LanguageModule loss, fusion={fusion}"
             )
+
+
+# --- Megatron-LM HEAD: explicit groups and the RL log-probs ---
+
+
+class MethodGroup:
+    """What megatron-core HEAD passes as tp_group: asked with .rank() / .size()."""
+
+    def rank(self):
+        return 0
+
+    def size(self):
+        return 1
+
+
+def test_explicit_group_is_asked_for_rank_and_size(monkeypatch):
+    install_megatron(monkeypatch, initialized=False)  # parallel state is not read
+    logits, target = _sb_case()
+    got = ours.vocab_parallel_cross_entropy(logits, target, 0.0, MethodGroup())
+    assert_bitwise_equal(got, -selected_logprobs(logits, target).logprobs, "explicit group")
+
+
+def _install_rl_utils(monkeypatch):
+    """megatron.rl.rl_utils as Megatron-LM HEAD has it: get_logprobs calls the module's
+    own selective_log_softmax (a copy of TRL's) on the gathered, padded-vocab logits."""
+    import torch.nn.functional as F
+
+    def selective_log_softmax(logits, index):
+        return torch.stack(
+            [
+                F.log_softmax(row, -1).gather(-1, i[:, None])[:, 0]
+                for row, i in zip(logits, index, strict=True)
+            ]
+        )
+
+    rl = types.ModuleType("megatron.rl")
+    rl_utils = types.ModuleType("megatron.rl.rl_utils")
+    rl_utils.selective_log_softmax = selective_log_softmax
+    rl_utils.is_batch_invariant_mode_enabled = lambda: False
+    exec(
+        "def get_logprobs(logits, tokens):\n"
+        "    return selective_log_softmax(logits[:, :-1, :], tokens[:, 1:])\n",
+        rl_utils.__dict__,
+    )
+    monkeypatch.setitem(sys.modules, "megatron.rl", rl)
+    monkeypatch.setitem(sys.modules, "megatron.rl.rl_utils", rl_utils)
+    return rl_utils
+
+
+def test_patch_reaches_megatron_rl_get_logprobs(monkeypatch):
+    rl_utils = _install_rl_utils(monkeypatch)
+    logits = llm_like_logits(2 * 6, 256, torch.bfloat16, seed=3)[0].view(2, 6, 256)
+    tokens = torch.randint(0, 250, (2, 6), generator=torch.Generator().manual_seed(0))
+    theirs = rl_utils.get_logprobs(logits, tokens)
+    handle = ours.patch_megatron(vocab_size=250)
+    assert "megatron.rl.rl_utils.selective_log_softmax" in handle.sites
+    got = rl_utils.get_logprobs(logits, tokens)
+    assert got.dtype == theirs.dtype == torch.bfloat16 and got.shape == theirs.shape
+    exact = selected_logprobs(logits[:, :-1], tokens[:, 1:], vocab_size=250).logprobs
+    assert_bitwise_equal(got, exact.to(torch.bfloat16), "RL log-probs without the padding")
+    handle.undo()
+    ours.patch_megatron()
+    torch.testing.assert_close(
+        rl_utils.get_logprobs(logits, tokens).float(), theirs.float(), atol=0.07, rtol=0
+    )
+
+
+def test_without_megatron_rl_the_site_is_skipped_and_named():
+    handle = ours.patch_megatron()
+    assert "megatron.rl.rl_utils.selective_log_softmax" in handle.skipped
+    assert handle.sites == SITES

@@ -1,111 +1,329 @@
-"""exactlogp.integrations.trl: TRL's helpers on full logits, bitwise the operator's bits."""
+"""exactlogp.integrations.trl against the real TRL 1.16 (installed by `make setup`).
+
+Side by side on the same inputs: the drop-in's values are within TRL's own test tolerance
+of TRL's, its bits are exactlogp's, its shapes and dtypes are TRL's. TRL runs its torch
+code here (no GPU: its Triton kernels are not taken).
+"""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
+import trl.trainer.utils as trl_utils
+from trl.kernels.chunked_logprob import ChunkedLogProbFunction as TrlChunked
 
+import exactlogp
 from exactlogp import selected_logprobs
 from exactlogp.integrations import trl
-from exactlogp.testing import (
-    assert_bitwise_equal,
-    error_bound,
-    fp64_reference,
-    llm_like_logits,
-    simulate_shards,
-    ulp32,
-)
+from exactlogp.testing import assert_bitwise_equal, llm_like_logits
 
 VOCAB = 509
+HALF = (torch.bfloat16, torch.float16)
+TOL = {torch.float64: 1e-12, torch.float32: 1e-5, torch.float16: 2e-2, torch.bfloat16: 1.3e-1}
 
 
-@pytest.fixture(params=[torch.bfloat16, torch.float16, torch.float32])
-def case(request):
-    logits, index = llm_like_logits(12, VOCAB, request.param, seed=5)
-    return logits.view(3, 4, VOCAB), index.view(3, 4)
+def _logits(dtype, rows=12, seed=5):
+    logits, index = llm_like_logits(rows, VOCAB, torch.float32, seed=seed)
+    return logits.to(dtype).view(3, rows // 3, VOCAB), index.view(3, rows // 3)
 
 
-def test_selective_log_softmax_bits_shape_and_accuracy(case):
-    logits, index = case
-    got = trl.selective_log_softmax(logits, index)
-    assert got.shape == index.shape and got.dtype == torch.float32
-    assert_bitwise_equal(got, selected_logprobs(logits, index).logprobs, "selective_log_softmax")
-    ref = fp64_reference(logits.view(-1, VOCAB), index.view(-1))
-    err = (got.view(-1).double() - ref.logprobs).abs()
-    assert bool(
-        (err <= 0.5 * ulp32(ref.logprobs) + error_bound(ref.scale["logprobs"], VOCAB)).all()
-    )
+def _close(got, host, dtype):
+    torch.testing.assert_close(got.double(), host.double(), atol=TOL[dtype], rtol=TOL[dtype])
 
 
-def test_selective_log_softmax_equals_a_sharded_trainer(case):
-    logits, index = case
-    got = trl.selective_log_softmax(logits, index).view(-1)
-    sharded = simulate_shards(logits.view(-1, VOCAB), index.view(-1), [0, 1, 200, 200, 400, VOCAB])
-    assert_bitwise_equal(got, sharded.logprobs, "TRL full logits vs 5 uneven shards")
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, *HALF])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_selective_log_softmax_side_by_side(dtype, temperature):
+    logits, index = _logits(dtype)
+    mask = torch.ones_like(index, dtype=torch.bool)
+    mask[1, 2] = False
+    got = trl.selective_log_softmax(logits, index, temperature=temperature, row_mask=mask)
+    host = trl_utils.selective_log_softmax(logits, index, temperature=temperature, row_mask=mask)
+    assert got.shape == host.shape and got.dtype == host.dtype == dtype
+    _close(got, host, dtype)
+    assert got[1, 2].item() == 0.0
+    if dtype != torch.float64:
+        exact = selected_logprobs(logits, index, temperature=temperature).logprobs
+        assert_bitwise_equal(
+            got.masked_fill(~mask, 0), exact.to(dtype).masked_fill(~mask, 0), "bits"
+        )
 
 
-def test_selective_log_softmax_does_not_depend_on_the_batch(case):
-    logits, index = case
-    whole = trl.selective_log_softmax(logits, index)
-    for i in range(logits.shape[0]):
-        row = trl.selective_log_softmax(logits[i : i + 1], index[i : i + 1])
-        assert_bitwise_equal(row[0], whole[i], f"row {i} alone")
-
-
-def test_selective_log_softmax_k_ids_per_row(case):
-    logits, index = case
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_k_ids_per_row_side_by_side(dtype):
+    logits, index = _logits(dtype)
     ids = torch.stack([index, (index + 7) % VOCAB, torch.zeros_like(index)], -1)  # (3, 4, 3)
     got = trl.selective_log_softmax(logits, ids)
-    assert got.shape == ids.shape
+    host = trl_utils.selective_log_softmax(logits, ids)
+    assert got.shape == host.shape == ids.shape and got.dtype == host.dtype
+    _close(got, host, dtype)
     for k in range(3):
         assert_bitwise_equal(got[..., k], trl.selective_log_softmax(logits, ids[..., k]), f"k={k}")
-    empty = trl.selective_log_softmax(logits, ids[..., :0])
-    assert empty.shape == (3, 4, 0)
 
 
-def test_ignore_index_rows_are_zero(case):
-    logits, index = case
-    index = index.clone()
-    index[0, 1] = -100
-    got = trl.selective_log_softmax(logits, index)
-    assert got[0, 1].item() == 0.0
+def test_half_precision_is_correctly_rounded():
+    """bf16 / fp16 results are exactlogp's fp32 rounded once: the correctly rounded value,
+    where torch's half-precision log_softmax (TRL's CPU path) is off by an ulp in ~20%."""
+    for dtype in HALF:
+        logits, index = _logits(dtype, rows=96)
+        got = trl.selective_log_softmax(logits, index)
+        truth = torch.log_softmax(logits.double(), -1).gather(-1, index[..., None])[..., 0]
+        assert torch.equal(got, truth.to(dtype))
 
 
-def test_selective_log_softmax_gradient(case):
-    logits, index = case
-    x = logits.float().requires_grad_()
-    trl.selective_log_softmax(x, index).sum().backward()
-    p = torch.softmax(logits.double(), -1)
-    expected = torch.nn.functional.one_hot(index, VOCAB).double() - p
-    torch.testing.assert_close(x.grad.double(), expected, atol=1e-7, rtol=0)
-
-
-def test_entropy_from_logits_bits_and_accuracy(case):
-    logits, index = case
-    got = trl.entropy_from_logits(logits)
-    assert got.shape == index.shape and got.dtype == torch.float32
-    expected = selected_logprobs(logits, index, with_entropy=True).entropy
-    assert_bitwise_equal(got, expected, "entropy")
-    for chunk_size in (1, 5, 1000):
-        assert_bitwise_equal(
-            trl.entropy_from_logits(logits, chunk_size), got, f"chunk {chunk_size}"
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_selective_log_softmax_and_entropy_side_by_side(dtype):
+    logits, index = _logits(dtype)
+    mask = torch.rand(index.shape, generator=torch.Generator().manual_seed(1)) > 0.3
+    x = logits.clone().requires_grad_()
+    got = trl.selective_log_softmax_and_entropy(x, index, False, 0.8, mask)
+    host = trl_utils.selective_log_softmax_and_entropy(logits, index, False, 0.8, mask)
+    for g, h in zip(got, host, strict=True):
+        assert g.dtype == h.dtype and g.shape == h.shape
+        _close(g, h, dtype)
+        assert bool((g[~mask] == 0).all())
+    assert got[0].requires_grad and not got[1].requires_grad
+    if dtype == torch.float32:
+        exact = selected_logprobs(
+            logits, index.masked_fill(~mask, -100), temperature=0.8, with_entropy=True
         )
-    ref = fp64_reference(logits.view(-1, VOCAB), index.view(-1))
-    err = (got.view(-1).double() - ref.entropy).abs()
-    assert bool((err <= 0.5 * ulp32(ref.entropy) + error_bound(ref.scale["entropy"], VOCAB)).all())
+        assert_bitwise_equal(got[1], exact.entropy, "entropy bits")
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(VOCAB,), (6, VOCAB), (2, 3, 4, VOCAB)])
+def test_entropy_from_logits_side_by_side(dtype, shape):
+    logits = torch.randn(shape, generator=torch.Generator().manual_seed(2)).to(dtype)
+    got = trl.entropy_from_logits(logits, chunk_size=2)
+    host = trl_utils.entropy_from_logits(logits, chunk_size=2)
+    assert got.shape == host.shape == shape[:-1] and got.dtype == host.dtype
+    _close(got, host, dtype)
+    assert_bitwise_equal(got, trl.entropy_from_logits(logits, 1000), "chunk size")
+
+
+def test_out_dtype_opt_in_keeps_fp32():
+    logits, index = _logits(torch.bfloat16)
+    got = trl.selective_log_softmax(logits, index, out_dtype=torch.float32)
+    assert_bitwise_equal(got, selected_logprobs(logits, index).logprobs, "fp32")
+    assert trl.entropy_from_logits(logits, out_dtype=torch.float32).dtype == torch.float32
+
+
+def test_gradient_matches_the_host():
+    logits, index = _logits(torch.float32)
+    a = logits.clone().requires_grad_()
+    b = logits.clone().requires_grad_()
+    lp, h = trl.selective_log_softmax_and_entropy(a, index, temperature=0.7)
+    (lp.sum() + 0.3 * h.sum()).backward()
+    lp, h = trl_utils.selective_log_softmax_and_entropy(b, index, temperature=0.7)
+    (lp.sum() + 0.3 * h.sum()).backward()
+    torch.testing.assert_close(a.grad, b.grad, atol=1e-5, rtol=1e-5)
 
 
 def test_bad_arguments():
-    logits, index = llm_like_logits(4, 11, torch.float32)
+    logits, index = _logits(torch.float32)
+    with pytest.raises(ValueError, match="temperature must be positive, got 0"):
+        trl.selective_log_softmax(logits, index, temperature=0)
     with pytest.raises(ValueError, match=r"index shape \(2,\) must be logits shape"):
-        trl.selective_log_softmax(logits, index[:2])
-    with pytest.raises(ValueError, match=r"index shape \(4, 2, 1\)"):
-        trl.selective_log_softmax(logits, index.view(4, 1, 1).expand(4, 2, 1))
-    with pytest.raises(TypeError, match="must be torch.Tensors, got Tensor and list"):
-        trl.selective_log_softmax(logits, [1, 2])
-    with pytest.raises(TypeError, match="bfloat16, float16 or float32, got torch.float64"):
-        trl.selective_log_softmax(logits.double(), index)
+        trl.selective_log_softmax(logits, index[0, :2])
+    with pytest.raises(ValueError, match=r"row_mask shape \(3,\) must equal the index shape"):
+        trl.selective_log_softmax(logits, index, row_mask=torch.ones(3))
+    with pytest.raises(ValueError, match="one id per row"):
+        trl.selective_log_softmax_and_entropy(logits, index[..., None])
+    with pytest.raises(TypeError, match="logits must be a torch.Tensor, got list"):
+        trl.selective_log_softmax([1.0], index)
     with pytest.raises(ValueError, match="chunk_size must be >= 1, got 0"):
         trl.entropy_from_logits(logits, 0)
-    with pytest.raises(TypeError, match="chunk_size must be an int, got float"):
-        trl.entropy_from_logits(logits, 2.0)
+
+
+# --- patch_trl ---
+
+TRAINERS = [f"trl.trainer.{n}_trainer" for n in ("grpo", "rloo", "kto", "sft", "dpo")]
+
+
+@pytest.fixture
+def patched():
+    import importlib
+
+    for name in TRAINERS:
+        importlib.import_module(name)
+    handle = trl.patch_trl()
+    yield handle
+    trl.unpatch_trl()
+
+
+def test_patch_reaches_every_binding_and_undo_restores_them(patched):
+    originals = {
+        "selective_log_softmax": trl_utils.selective_log_softmax,
+        "add_fused_lm_head": trl_utils.add_fused_lm_head,
+    }
+    assert originals["selective_log_softmax"] is trl.selective_log_softmax
+    assert trl_utils._ChunkedLogProbFunction is trl.ChunkedLogProbFunction
+    for name in TRAINERS:
+        assert sys.modules[name].add_fused_lm_head is trl.add_fused_lm_head, name
+    import trl.trainer as trainer_pkg
+
+    assert trainer_pkg.add_fused_lm_head is trl.add_fused_lm_head
+    assert trl.patch_trl() is patched  # idempotent
+    patched.undo()
+    assert trl_utils.selective_log_softmax is not trl.selective_log_softmax
+    assert trl_utils._ChunkedLogProbFunction is TrlChunked
+    for name in TRAINERS:
+        assert sys.modules[name].add_fused_lm_head is trl_utils.add_fused_lm_head, name
+
+
+def test_patch_reaches_a_module_imported_afterwards(patched):
+    for name in [n for n in sys.modules if n.startswith("trl.experimental.cpo")]:
+        del sys.modules[name]
+    try:
+        from trl.experimental.cpo import cpo_trainer
+    except ImportError as exc:  # its own optional dependencies
+        pytest.skip(f"trl.experimental.cpo does not import here: {exc}")
+    assert cpo_trainer.selective_log_softmax is trl.selective_log_softmax
+    patched.undo()
+    assert cpo_trainer.selective_log_softmax is trl_utils.selective_log_softmax
+
+
+def test_patch_with_out_dtype():
+    handle = trl.patch_trl(out_dtype=torch.float32)
+    try:
+        logits, index = _logits(torch.bfloat16)
+        assert trl_utils.selective_log_softmax(logits, index).dtype == torch.float32
+        with pytest.raises(ValueError, match="already applied"):
+            trl.patch_trl()
+    finally:
+        handle.undo()
+
+
+# --- the fused LM head ---
+
+
+def _head_case(dtype=torch.float32, n=40, h=32, v=VOCAB, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(n, h, generator=g).to(dtype)
+    weight = (torch.randn(v, h, generator=g) / h**0.5).to(dtype)
+    bias = (0.1 * torch.randn(v, generator=g)).to(dtype)
+    targets = torch.randint(0, v, (n,), generator=g)
+    return hidden, weight, bias, targets
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_chunked_function_side_by_side(temperature):
+    hidden, weight, bias, targets = _head_case()
+    args = (targets, temperature, 64, None, 0.5, trl.OPTIONAL_OUTPUTS)
+    leaves = [t.clone().requires_grad_() for t in (hidden, weight, bias)]
+    ours = trl.ChunkedLogProbFunction.apply(*leaves, *args)
+    host_leaves = [t.clone().requires_grad_() for t in (hidden, weight, bias)]
+    host = TrlChunked.apply(*host_leaves, *args)
+    for name, a, b in zip(("log_probs", *trl.OPTIONAL_OUTPUTS), ours, host, strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape, name
+        if name == "is_top1":
+            assert torch.equal(a, b)
+        else:
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=name)
+    (ours[0].sum() + 0.5 * ours[1].sum()).backward()
+    (host[0].sum() + 0.5 * host[1].sum()).backward()
+    for a, b in zip(leaves, host_leaves, strict=True):
+        torch.testing.assert_close(a.grad, b.grad, atol=1e-4, rtol=1e-4)
+    exact = exactlogp.linear_selected_logprobs(
+        hidden, weight, targets, bias=bias, temperature=temperature, logit_scale=0.5
+    )
+    assert_bitwise_equal(ours[0].detach(), exact.logprobs, "log_probs bits")
+
+
+def test_chunked_function_refuses_softcapping():
+    hidden, weight, bias, targets = _head_case()
+    with pytest.raises(ValueError, match="final_logit_softcapping=30.0 is not supported"):
+        trl.ChunkedLogProbFunction.apply(hidden, weight, bias, targets, 1.0, 64, 30.0)
+
+
+def tiny_model(seed=0, **config):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen3Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, **config,
+    )  # fmt: skip
+    return Qwen3ForCausalLM(cfg).eval()
+
+
+def _fused_pair(outputs, temperature=0.7, **config):
+    import copy
+
+    host = tiny_model(**config)
+    ours = copy.deepcopy(host)
+    trl_utils.add_fused_lm_head(host, temperature=temperature, outputs=outputs)
+    trl.add_fused_lm_head(ours, temperature=temperature, outputs=outputs)
+    ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(3))
+    labels = ids.clone()
+    labels[0, :3] = -100
+    return host, ours, ids, labels
+
+
+@pytest.mark.parametrize("shift", [False, True])
+def test_add_fused_lm_head_side_by_side(shift):
+    outputs = ("log_probs", *trl.OPTIONAL_OUTPUTS)
+    host, ours, ids, labels = _fused_pair(outputs)
+    kwargs = {"shift_labels": labels} if shift else {"labels": labels}
+    a = ours(input_ids=ids, fused_lm_head=True, **kwargs)
+    b = host(input_ids=ids, fused_lm_head=True, **kwargs)
+    assert type(a) is type(b)
+    assert a.log_probs.shape == ((2, 9) if shift else (2, 8))
+    assert torch.equal(a.label_mask, b.label_mask)
+    for name in ("log_probs", *trl.OPTIONAL_OUTPUTS):
+        x, y = getattr(a, name), getattr(b, name)
+        assert x.dtype == y.dtype, name
+        if name == "is_top1":
+            assert torch.equal(x, y)
+        else:
+            torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-5, msg=name)
+    assert bool((a.log_probs[~a.label_mask] == 0).all())
+    torch.testing.assert_close(a.loss, b.loss, atol=1e-5, rtol=1e-5)
+    a.loss.backward()
+    b.loss.backward()
+    for (name, p), q in zip(ours.named_parameters(), host.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, atol=1e-4, rtol=1e-3, msg=name)
+
+
+def test_add_fused_lm_head_reads_the_logit_scale_and_keeps_generate():
+    host, ours, ids, labels = _fused_pair(("log_probs",), logits_scaling=4.0)
+    a = ours(input_ids=ids, labels=labels, fused_lm_head=True, num_items_in_batch=5)
+    b = host(input_ids=ids, labels=labels, fused_lm_head=True, num_items_in_batch=5)
+    torch.testing.assert_close(a.log_probs, b.log_probs, atol=1e-5, rtol=1e-5)
+    assert a.entropy is None and b.entropy is None
+    torch.testing.assert_close(a.loss, b.loss)
+    plain = ours(input_ids=ids, labels=ids)
+    assert plain.logits.shape == (2, 9, VOCAB)
+    assert "fused_lm_head" not in str(__import__("inspect").signature(ours.forward))
+
+
+def test_add_fused_lm_head_refuses_softcapping_and_unknown_outputs():
+    model = tiny_model()
+    model.config.final_logit_softcapping = 30.0
+    with pytest.raises(ValueError, match="final_logit_softcapping=30.0 in the model config"):
+        trl.add_fused_lm_head(model)
+    with pytest.raises(ValueError, match=r"outputs \['logits'\] are unknown"):
+        trl.add_fused_lm_head(tiny_model(), outputs=("log_probs", "logits"))
+
+
+@pytest.mark.parametrize("cast", [False, True])
+def test_add_fused_lm_head_on_a_bf16_model(cast):
+    import copy
+
+    host = tiny_model().to(torch.bfloat16)
+    ours = copy.deepcopy(host)
+    outputs = ("log_probs", "entropy")
+    trl_utils.add_fused_lm_head(host, temperature=0.9, cast_lm_head_to_fp32=cast, outputs=outputs)
+    trl.add_fused_lm_head(ours, temperature=0.9, cast_lm_head_to_fp32=cast, outputs=outputs)
+    ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(4))
+    a = ours(input_ids=ids, labels=ids, fused_lm_head=True)
+    b = host(input_ids=ids, labels=ids, fused_lm_head=True)
+    assert a.log_probs.dtype == b.log_probs.dtype == torch.float32
+    torch.testing.assert_close(a.log_probs, b.log_probs, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(a.entropy, b.entropy, atol=1e-4, rtol=1e-4)
+    a.loss.backward()
+    b.loss.backward()
+    for p, q in zip(ours.parameters(), host.parameters(), strict=True):
+        torch.testing.assert_close(p.grad.float(), q.grad.float(), atol=1e-2, rtol=1e-2)

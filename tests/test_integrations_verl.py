@@ -1,14 +1,17 @@
-"""exactlogp.integrations.verl on one process (Megatron state stubbed to TP=1).
-
-The same functions on real Megatron tensor-parallel groups of 1, 2 and 4 are checked in
-test_integrations_megatron.py (one gloo world serves both).
+"""exactlogp.integrations.verl: the Megatron-engine functions on one process (Megatron
+state stubbed to TP=1; real tensor-parallel groups of 1, 2 and 4 are in
+test_integrations_megatron.py), then the FSDP-engine functions, the fused kernels and
+patch_verl side by side with the real verl 0.9 (installed by `make setup`).
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+import verl.utils.torch_functional as verl_F
+from verl.utils.experimental.torch_functional import FusedLinearForPPO as VerlFused
 
+import exactlogp
 from exactlogp import selected_logprobs
 from exactlogp.integrations import verl
 from exactlogp.testing import assert_bitwise_equal, llm_like_logits
@@ -73,3 +76,161 @@ def test_uninitialized_megatron_state_is_a_clear_error(monkeypatch):
 def test_bad_logits_type(case):
     with pytest.raises(TypeError, match="logits must be a torch.Tensor, got list"):
         verl.vocab_parallel_log_probs_from_logits([1.0], torch.tensor(0))
+
+
+# --- against the real verl 0.9 (installed by `make setup`) ---
+
+
+TOL = {torch.float64: 1e-12, torch.float32: 1e-5, torch.float16: 2e-2, torch.bfloat16: 1.3e-1}
+
+
+def _full(dtype, rows=12, vocab=333, seed=4):
+    logits, labels = llm_like_logits(rows, vocab, torch.float32, seed=seed)
+    return logits.to(dtype), labels
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16])
+def test_full_logits_side_by_side(dtype):
+    logits, labels = _full(dtype)
+    tol = dict(atol=TOL[dtype], rtol=TOL[dtype])
+    pairs = [
+        (verl.logprobs_from_logits(logits, labels, False), verl_F.logprobs_from_logits(logits, labels, False)),
+        (verl.logprobs_from_logits_v2(logits, labels), verl_F.logprobs_from_logits_v2(logits, labels)),
+        (verl.entropy_from_logits(logits), verl_F.entropy_from_logits(logits)),
+        (verl.entropy_from_logits_with_chunking(logits, 5), verl_F.entropy_from_logits_with_chunking(logits, 5)),
+    ]  # fmt: skip
+    for i, (got, host) in enumerate(pairs):
+        assert got.dtype == host.dtype and got.shape == host.shape, i
+        if i == 3:  # verl's chunked entropy computes in fp32 whatever the input
+            tol = dict(atol=TOL[torch.float32], rtol=TOL[torch.float32])
+        torch.testing.assert_close(got.double(), host.double(), **tol)
+    if dtype != torch.float64:
+        exact = selected_logprobs(logits, labels, with_entropy=True)
+        assert_bitwise_equal(pairs[0][0], exact.logprobs.to(dtype), "logprobs bits")
+        assert_bitwise_equal(pairs[3][0], exact.entropy, "chunked entropy bits")
+
+
+def test_entropy_under_torch_compile_gives_the_eager_bits():
+    """The FSDP / automodel engines torch.compile the entropy function (dynamic=True)."""
+    logits, _ = _full(torch.float32)
+    for fn in (verl.entropy_from_logits, verl.entropy_from_logits_with_chunking):
+        compiled = torch.compile(fn, dynamic=True)
+        results = []
+        for f in (fn, compiled):
+            x = logits.clone().requires_grad_()
+            h = f(x)
+            h.sum().backward()
+            results.append((h.detach(), x.grad))
+        assert_bitwise_equal(results[1][0], results[0][0], "compiled entropy")
+        assert_bitwise_equal(results[1][1], results[0][1], "compiled gradient")
+
+
+ENGINE_MODULES = (
+    "verl.workers.engine.fsdp.transformer_impl",
+    "verl.workers.engine.megatron.transformer_impl",
+    "verl.workers.rollout.naive.naive_rollout",
+)
+
+
+@pytest.fixture
+def verl_patched():
+    import importlib
+
+    for name in ENGINE_MODULES:
+        importlib.import_module(name)
+    handle = verl.patch_verl()
+    yield handle
+    verl.unpatch_verl()
+
+
+def test_patch_verl_reaches_the_engines(verl_patched):
+    import sys
+
+    fsdp = sys.modules["verl.workers.engine.fsdp.transformer_impl"]
+    mcore = sys.modules["verl.workers.engine.megatron.transformer_impl"]
+    grouper = sys.modules["verl.workers.rollout.naive.naive_rollout"]
+    assert fsdp.logprobs_from_logits is verl.logprobs_from_logits
+    assert grouper.logprobs_from_logits is verl.logprobs_from_logits
+    assert fsdp.verl_F.entropy_from_logits is verl.entropy_from_logits
+    assert mcore.vocab_parallel_entropy is verl.vocab_parallel_entropy
+    assert mcore.vocab_parallel_log_probs_from_logits is verl.vocab_parallel_log_probs_from_logits
+    assert "verl.utils.kernel.linear_cross_entropy.linear_cross_entropy" in verl_patched.sites
+    verl_patched.undo()
+    assert fsdp.logprobs_from_logits is verl_F.logprobs_from_logits is not verl.logprobs_from_logits
+    assert mcore.vocab_parallel_entropy is not verl.vocab_parallel_entropy
+
+
+def test_an_engine_built_before_the_patch_is_detected_and_fixed():
+    from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
+
+    engine = object.__new__(FSDPEngineWithLMHead)  # its __init__ binds the entropy like this:
+    engine.compute_entropy_from_logits = torch.compile(verl_F.entropy_from_logits, dynamic=True)
+    handle = verl.patch_verl()
+    try:
+        with pytest.warns(RuntimeWarning, match="was built before patch_verl"):
+            with pytest.raises(Exception):  # noqa: B017 (the engine itself is a bare shell)
+                engine.prepare_model_outputs(None, {}, None, None)
+        bound = engine.compute_entropy_from_logits
+        assert bound._torchdynamo_orig_callable is verl.entropy_from_logits
+    finally:
+        handle.undo()
+
+
+def test_patch_verl_vocab_size_leaves_megatron_padding_out(monkeypatch):
+    handle = verl.patch_verl(vocab_size=333)
+    try:
+        import verl.utils.megatron.tensor_parallel as tp
+
+        install_megatron(monkeypatch)
+        logits, _ = _full(torch.float32)
+        padded = torch.cat([logits, torch.full((12, 19), 40.0)], -1)
+        assert_bitwise_equal(
+            tp.vocab_parallel_entropy(padded), verl.vocab_parallel_entropy(logits), "pad"
+        )
+    finally:
+        handle.undo()
+
+
+def test_fused_linear_for_ppo_side_by_side():
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(2, 7, 32, generator=g)
+    weight = torch.randn(333, 32, generator=g) / 32**0.5
+    ids = torch.randint(0, 333, (2, 7), generator=g)
+    a = [t.clone().requires_grad_() for t in (hidden, weight)]
+    b = [t.clone().requires_grad_() for t in (hidden, weight)]
+    ours = verl.FusedLinearForPPO()(*a, ids, 0.7)
+    host = VerlFused()(*b, ids, 0.7)
+    for x, y in zip(ours, host, strict=True):
+        assert x.dtype == y.dtype and x.shape == y.shape
+        torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-5)
+    (ours[0].sum() + ours[1].sum()).backward()
+    (host[0].sum() + host[1].sum()).backward()
+    for x, y in zip(a, b, strict=True):
+        torch.testing.assert_close(x.grad, y.grad, atol=1e-4, rtol=1e-4)
+    exact = exactlogp.linear_selected_logprobs(hidden, weight, ids, temperature=0.7)
+    assert_bitwise_equal(ours[0].detach(), exact.logprobs, "bits")
+
+
+def test_use_fused_kernels_model_forward_is_routed_to_exactlogp():
+    """verl's fused forward imports FusedLinearForPPO at call time: the patch reaches it."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from verl.models.transformers.monkey_patch import patch_forward_with_backends
+
+    torch.manual_seed(0)
+    cfg = Qwen3Config(vocab_size=333, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16)  # fmt: skip
+    model = Qwen3ForCausalLM(cfg).eval()
+    original_forward = Qwen3ForCausalLM.forward
+    handle = verl.patch_verl()
+    try:
+        patch_forward_with_backends(model, use_fused_kernels=True, fused_kernels_backend="torch")
+        ids = torch.randint(0, 333, (2, 9), generator=torch.Generator().manual_seed(1))
+        out = model(input_ids=ids, temperature=0.7, return_dict=True)
+        hidden = model.model(input_ids=ids).last_hidden_state
+        exact = exactlogp.linear_selected_logprobs(
+            hidden, model.lm_head.weight, torch.roll(ids, -1, -1), temperature=0.7
+        )
+        assert_bitwise_equal(out.log_probs, exact.logprobs, "fused forward log_probs")
+    finally:
+        handle.undo()
+        Qwen3ForCausalLM.forward = original_forward  # verl patches the class

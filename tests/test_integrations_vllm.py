@@ -241,8 +241,10 @@ def test_bad_arguments(batch):
         vllm.rollout_logprobs(logits, tokens, temperature=torch.ones(3))
     with pytest.raises(TypeError, match="temperature must be a float or a tensor, got str"):
         vllm.rollout_logprobs(logits, tokens, temperature="1")
-    with pytest.raises(ValueError, match="top_k / top_p need whole rows"):
+    with pytest.raises(ValueError, match="top_k / top_p / min_p need whole rows"):
         vllm.rollout_logprobs(logits, tokens, top_k=5, tp_group=object())
+    with pytest.raises(ValueError, match=r"min_p must be in \[0, 1\], got -0.1"):
+        vllm.rollout_logprobs(logits, tokens, min_p=-0.1)
 
 
 # --- patch_vllm_sampler ---
@@ -350,7 +352,7 @@ def test_patch_without_vllm_is_a_clear_error(monkeypatch):
     import sys
 
     monkeypatch.setitem(sys.modules, "vllm", None)
-    with pytest.raises(ImportError, match=r"cannot import vllm\.v1\.sample\.sampler"):
+    with pytest.raises(ImportError, match=r"patch_vllm_sampler: cannot import vllm"):
         vllm.patch_vllm_sampler()
 
 
@@ -385,3 +387,190 @@ def test_sharded_rollout_equals_gathered(batch):
     for rank, got in enumerate(results):
         assert_bitwise_equal(got.logprobs, gathered.logprobs, f"rank {rank} logprobs")
         assert_bitwise_equal(got.entropy, gathered.entropy, f"rank {rank} entropy")
+
+
+# --- vLLM 0.34's V2 model runner (a stand-in package with its module layout) ---
+
+
+@pytest.fixture
+def v2(monkeypatch):
+    """vLLM 0.34's V2 sampler modules from tests/host_stubs (vLLM has no CPU wheel)."""
+    from integration_stubs import drop_stub_modules, use_stub_package
+
+    use_stub_package(monkeypatch, "vllm")
+    import vllm.v1.worker.gpu.sample.prompt_logprob as prompt
+    import vllm.v1.worker.gpu.sample.sampler as sampler
+    import vllm.v1.worker.gpu.spec_decode.rejection_sampler as spec
+
+    yield types.SimpleNamespace(sampler=sampler, prompt=prompt, spec=spec)
+    vllm.unpatch_vllm_sampler()
+    drop_stub_modules("vllm")
+
+
+def _v2_batch(n=8, processing=True, seed=3, **overrides):
+    logits, _ = llm_like_logits(n, VOCAB, torch.bfloat16, seed=seed)
+    fields = dict(
+        needs_processing=processing, logit_bias=None, repetition_penalty=None, bad_words=None,
+        temperature=torch.tensor([0.7, 1.0, 1.3, 0.0, 0.9, 2.0, 1.0, 0.5])[:n],
+        min_p=torch.tensor([0.0, 0.05, 0.0, 0.0, 0.1, 0.0, 0.0, 0.2])[:n],
+        top_k=torch.tensor([50, VOCAB, 5, VOCAB, 1, 200, VOCAB, 20])[:n],
+        top_p=torch.tensor([0.9, 1.0, 0.8, 1.0, 1.0, 0.95, 0.5, 1.0])[:n],
+        num_logprobs=3, generator=torch.Generator().manual_seed(seed),
+    )  # fmt: skip
+    fields.update(overrides)
+    return logits, types.SimpleNamespace(**fields)
+
+
+def _trainer_view(logits, batch):
+    """What a trainer recomputes: the logits as the processors left them before the
+    temperature (bias, penalties, bad words), the temperature as exactlogp takes it
+    (greedy rows at 1), and the keep-mask of the tokens that survived min-p / top-k / top-p."""
+    from vllm.v1.worker.gpu.sample.sampler import Sampler
+
+    untempered = types.SimpleNamespace(**{
+        **vars(batch), "temperature": torch.ones_like(batch.temperature),
+        "min_p": torch.zeros_like(batch.min_p), "top_k": torch.full_like(batch.top_k, VOCAB),
+        "top_p": torch.ones_like(batch.top_p),
+    })  # fmt: skip
+    edited = Sampler().apply_sampling_params(logits, untempered)
+    processed = Sampler().apply_sampling_params(logits, batch)
+    tau = torch.where(batch.temperature == 0, 1.0, batch.temperature)
+    return edited, tau, torch.isfinite(processed)
+
+
+@pytest.mark.parametrize("mode", ["raw_logprobs", "processed_logprobs"])
+def test_v2_sampler_reports_exact_logprobs(v2, mode):
+    logits, batch = _v2_batch()
+    theirs = v2.sampler.Sampler(mode)(logits, batch)
+    handle = vllm.patch_vllm_sampler()
+    assert handle.sites[0] == "vllm.v1.worker.gpu.sample.logprob.compute_token_logprobs"
+    batch.generator.manual_seed(3)
+    ours = v2.sampler.Sampler(mode)(logits, batch)
+    assert torch.equal(ours.sampled_token_ids, theirs.sampled_token_ids)  # sampling untouched
+    ids = ours.logprobs_tensors.logprob_token_ids
+    assert torch.equal(ids, theirs.logprobs_tensors.logprob_token_ids)
+    got = ours.logprobs_tensors.logprobs
+    torch.testing.assert_close(got, theirs.logprobs_tensors.logprobs, atol=1e-5, rtol=1e-5)
+    if mode == "raw_logprobs":
+        for k in range(ids.shape[1]):
+            assert_bitwise_equal(
+                got[:, k], selected_logprobs(logits, ids[:, k]).logprobs, f"col {k}"
+            )
+        return
+    # processed: the trainer's raw logits + temperature + keep-mask give the same bits
+    edited, tau, keep = _trainer_view(logits, batch)
+    for k in range(ids.shape[1]):
+        kept = keep.gather(1, ids[:, k : k + 1])[:, 0]  # top-k columns may be cut tokens
+        target = torch.where(kept, ids[:, k], -100)
+        exact = selected_logprobs(edited, target, temperature=tau, keep_mask=keep).logprobs
+        assert_bitwise_equal(got[kept, k], exact[kept], f"processed col {k}")
+        assert bool((got[~kept, k] == float("-inf")).all())
+    sampled = ids[:, 0]
+    rebuilt = vllm.rollout_logprobs(
+        logits, sampled, temperature=batch.temperature, top_k=batch.top_k, top_p=batch.top_p,
+        min_p=batch.min_p,
+    ).logprobs  # fmt: skip
+    assert_bitwise_equal(got[:, 0], rebuilt, "rollout_logprobs rebuilds min-p, top-k, top-p")
+
+
+def test_v2_bias_penalties_and_bad_words_come_before_the_operator(v2):
+    """They edit the logits; the arithmetic stays exactlogp's on the edited logits."""
+    g = torch.Generator().manual_seed(9)
+    counts = torch.randint(0, 3, (8, VOCAB), generator=g).float()
+    bad = torch.zeros(8, VOCAB, dtype=torch.bool)
+    bad[:, 7] = True
+    logits, batch = _v2_batch(
+        logit_bias=torch.randn(8, VOCAB, generator=g), repetition_penalty=torch.full((8,), 1.2),
+        frequency_penalty=torch.full((8,), 0.1), presence_penalty=torch.full((8,), 0.2),
+        output_counts=counts, bad_words=bad,
+    )  # fmt: skip
+    vllm.patch_vllm_sampler()
+    out = v2.sampler.Sampler("processed_logprobs")(logits, batch)
+    edited, tau, keep = _trainer_view(logits, batch)
+    assert not bool(keep[:, 7].any())
+    ids = out.logprobs_tensors.logprob_token_ids
+    exact = selected_logprobs(edited, ids[:, 0], temperature=tau, keep_mask=keep).logprobs
+    assert_bitwise_equal(out.logprobs_tensors.logprobs[:, 0], exact, "edited logits")
+
+
+def test_v2_spec_decode_and_prompt_logprobs_are_covered(v2):
+    logits, batch = _v2_batch()
+    vllm.patch_vllm_sampler()
+    drafts = logits.float().argmax(-1)
+    sampler = v2.sampler.Sampler("processed_logprobs")
+    got = v2.spec.RejectionSampler(sampler).draft_logprobs(logits, batch, drafts).logprobs[:, 0]
+    edited, tau, keep = _trainer_view(logits, batch)
+    exact = selected_logprobs(edited, drafts, temperature=tau, keep_mask=keep).logprobs
+    assert_bitwise_equal(got, exact, "spec decode")
+    ids = torch.stack([drafts, torch.zeros_like(drafts)], -1)
+    prompt = v2.prompt.compute_prompt_token_id_logprobs(logits, ids)
+    assert_bitwise_equal(prompt[:, 1], selected_logprobs(logits, ids[:, 1]).logprobs, "prompt")
+
+
+def test_v2_ids_outside_the_vocabulary_and_cut_tokens_give_minus_inf(v2):
+    logits, _ = _v2_batch()
+    x = logits.float()
+    x[:, 10:] = float("-inf")
+    ids = torch.tensor([[3, 20, -1, VOCAB]] * 8)
+    got = vllm.token_logprobs(x, ids)
+    assert bool(torch.isinf(got[:, 1:]).all()) and bool(torch.isfinite(got[:, 0]).all())
+
+
+def test_v2_many_columns_keep_the_sampled_one_exact(v2):
+    logits, batch = _v2_batch(processing=False, num_logprobs=vllm.EXACT_COLUMNS + 4)
+    vllm.patch_vllm_sampler()
+    out = v2.sampler.Sampler("raw_logprobs")(logits, batch)
+    ids = out.logprobs_tensors.logprob_token_ids
+    exact = selected_logprobs(logits, ids[:, 0]).logprobs
+    assert_bitwise_equal(out.logprobs_tensors.logprobs[:, 0], exact, "column 0")
+
+
+def test_v2_refuses_a_runner_it_cannot_reach(v2, monkeypatch):
+    import vllm.v1.worker.gpu.sample.logprob as logprob
+
+    def compute_topk_scores(logits, num_logprobs, sampled_token_ids, **_):
+        return torch.log_softmax(logits.float(), -1)  # no longer calls compute_token_logprobs
+
+    monkeypatch.setattr(logprob, "compute_topk_scores", compute_topk_scores)
+    with pytest.raises(RuntimeError, match=r"vLLM 0\.34\.0's .* would not take effect"):
+        vllm.patch_vllm_sampler()
+    assert not hasattr(logprob.compute_token_logprobs, "__wrapped__")  # nothing changed
+
+
+def test_unknown_vllm_layout_is_refused_with_its_version(monkeypatch):
+    import sys
+
+    fake = types.ModuleType("vllm")
+    fake.__version__ = "0.99.0"
+    monkeypatch.setitem(sys.modules, "vllm", fake)
+    for name in ("vllm.v1", "vllm.v1.worker", "vllm.v1.sample"):
+        monkeypatch.setitem(sys.modules, name, None)
+    with pytest.raises(RuntimeError, match=r"vLLM 0\.99\.0 has neither .* nothing was patched"):
+        vllm.patch_vllm_sampler()
+
+
+_CHILD = """
+import os, sys
+sys.path.insert(0, {stubs!r})
+from vllm.plugins import load_general_plugins
+load_general_plugins()  # what vLLM's engine core and each worker do at start-up
+import vllm.v1.worker.gpu.sample.logprob as logprob
+print("patched" if hasattr(logprob.compute_token_logprobs, "__wrapped__") else "not patched")
+""".strip()
+
+
+@pytest.mark.parametrize("requested", ["vllm", ""])
+def test_plugin_patches_a_spawned_worker_when_asked(requested):
+    import os
+    import subprocess
+    import sys
+
+    from integration_stubs import STUB_ROOT
+
+    env = dict(os.environ, EXACTLOGP_PATCH=requested, VLLM_PLUGINS="exactlogp")
+    code = _CHILD.format(stubs=str(STUB_ROOT))
+    run = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == ("patched" if requested else "not patched")

@@ -12,7 +12,8 @@ forward and forward+backward, the median of 5 repeats (min and max shown), then 
 extra memory of each candidate, each in a fresh process. --profile times the backend's
 passes against this machine's memory bandwidth. --sweep adds sweeps over tokens
 (128 .. 4096) and vocab (32k .. 262k) with fewer repeats, written as Markdown tables and
-a PNG plot. Everything lands in --out (default docs/performance).
+a PNG plot. Everything lands in --out (default reports/performance; the committed tables in
+docs/performance are refreshed with --out docs/performance).
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=f"{OURS},{BASELINE},{EAGER},{COMPILED}",
         help="comma-separated names for the sweeps",
     )
-    p.add_argument("--out", type=Path, default=Path("docs/performance"))
+    p.add_argument("--out", type=Path, default=Path("reports/performance"))
     p.add_argument(
         "--measure-memory", nargs=2, metavar=("CANDIDATE", "MODE"), help=argparse.SUPPRESS
     )

@@ -1,11 +1,18 @@
-"""Drop-ins for the frameworks RL post-training runs on: each side of the loop swaps one call.
+"""Drop-ins for the hosts RL post-training runs on, with each host's names, arguments and
+output dtypes, and a reversible `patch_<host>()` per host.
 
-- `megatron`: `vocab_parallel_cross_entropy` with megatron-core's signature; `patch_megatron()`.
-- `verl`: `vocab_parallel_log_probs_from_logits`, `vocab_parallel_entropy` and both at once.
-- `trl`: `selective_log_softmax`, `entropy_from_logits` on full logits.
-- `vllm`: the rollout's logprobs of the sampled tokens; `patch_vllm_sampler()`.
+- `trl`: full-logits helpers and the fused LM head of TRL 1.16's trainers; `patch_trl()`.
+- `verl`: verl 0.9's log-prob / entropy functions (FSDP, torchtitan, automodel and Megatron
+  engines) and its fused kernels; `patch_verl()`.
+- `megatron`: megatron-core's `vocab_parallel_cross_entropy`, Megatron-LM RL's
+  `selective_log_softmax`; `patch_megatron()`.
+- `vllm`: the rollout's logprobs (V2 model runner, V1 sampler); `patch_vllm_sampler()` and
+  the `vllm.general_plugins` entry point.
+- `sglang`: the sampler's sampled-token logprobs; `patch_sglang()` and its plugin.
+- `autopatch`: EXACTLOGP_PATCH applies patches in worker processes and Ray actors.
+- `handshake`: the contract fingerprint a rollout ships and a trainer checks.
 
-No framework is a dependency: each module imports its framework only inside the calls that
-need it, so `import exactlogp.integrations.megatron` works where megatron-core is absent.
-See docs/integrations.md for one recipe per framework.
+No host is a dependency: each module imports its host only inside the calls that need it,
+so `import exactlogp.integrations.megatron` works where megatron-core is absent.
+See docs/integrations.md for one recipe per host and the version matrix.
 """

@@ -1,14 +1,22 @@
 """Opt-in, idempotent, reversible swaps of a framework's module attributes.
 
-Every site is resolved before anything is changed, so a framework version that moved a
-symbol raises an error naming it and leaves the framework untouched. A patch is keyed by
-name: applying it again returns the live handle instead of wrapping twice.
+Every required site is resolved before anything is changed, so a framework version that
+moved a symbol raises an error naming it and leaves the framework untouched. A patch is
+keyed by name: applying it again returns the live handle instead of wrapping twice.
+
+Hosts copy functions into their consumers (`from .utils import f`), so a swap of the
+definition alone misses every copy made before it. A site with `everywhere=True` also
+swaps each module attribute under the host's package that holds the original object, and
+undo restores the copies made while the patch was live (modules imported after it).
+Optional sites (a trainer module whose own dependencies are missing) are skipped with the
+reason kept on the handle; such a module, imported later, copies the patched definition.
 """
 
 from __future__ import annotations
 
 import importlib
 import logging
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -18,12 +26,20 @@ logger = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class Site:
     """`module.name` (name may be dotted: "Class.method") is to be replaced by
-    `replacement`, or by `replacement(original)` when `wraps` is set."""
+    `replacement`, or by `replacement(original)` when `wraps` is set.
+
+    optional: a module that cannot be imported, or a name it does not have, is skipped
+        (recorded in `PatchHandle.skipped`) instead of failing the whole patch.
+    everywhere: also swap every copy of the original bound as a module attribute in the
+        package `module` belongs to (its top-level name).
+    """
 
     module: str
     name: str
     replacement: Callable
     wraps: bool = False
+    optional: bool = False
+    everywhere: bool = False
 
     @property
     def path(self) -> str:
@@ -37,14 +53,16 @@ class _Swap:
     path: str
     original: object
     new: object
+    package: str | None = None  # set for `everywhere` sites: where copies may appear later
 
 
 class PatchHandle:
     """A live patch; `undo()` puts every original back (also `unpatch_<framework>()`)."""
 
-    def __init__(self, key: str, swaps: list[_Swap], options: dict):
+    def __init__(self, key: str, swaps: list[_Swap], options: dict, skipped: dict[str, str]):
         self.key = key
         self.options = options
+        self.skipped = skipped  # site path -> why it was not patched
         self._swaps = swaps
 
     @property
@@ -54,6 +72,13 @@ class PatchHandle:
     @property
     def sites(self) -> tuple[str, ...]:
         return tuple(s.path for s in self._swaps)
+
+    def original(self, path: str):
+        """The host's own object that this patch replaced at `path` (None if none)."""
+        for swap in self._swaps:
+            if swap.path == path:
+                return swap.original
+        return None
 
     def undo(self) -> None:
         if _ACTIVE.get(self.key) is self:
@@ -66,6 +91,11 @@ class PatchHandle:
                 setattr(swap.owner, swap.attr, swap.original)
             else:  # someone replaced it after us: theirs stays, we do not clobber it
                 logger.warning("%s was replaced after %s; left as it is", swap.path, self.key)
+        # copies taken while the patch was live (modules imported after it)
+        for swap in self._swaps:
+            if swap.package is not None:
+                for module, attr in _copies(swap.package, swap.new):
+                    setattr(module, attr, swap.original)
 
     def __repr__(self) -> str:
         state = "active" if self.active else "undone"
@@ -83,7 +113,7 @@ def apply(key: str, sites: Sequence[Site], options: dict | None = None) -> Patch
     """Swap every site in; return the live handle if `key` is already applied.
 
     Raises ValueError if `key` is live with other `options`, ImportError / AttributeError
-    naming the first site that cannot be resolved (nothing is changed then).
+    naming the first required site that cannot be resolved (nothing is changed then).
     """
     options = dict(options or {})
     live = _ACTIVE.get(key)
@@ -94,10 +124,23 @@ def apply(key: str, sites: Sequence[Site], options: dict | None = None) -> Patch
                 f"it with {options}"
             )
         return live
-    swaps = [_resolve(key, site) for site in sites]
+    swaps: list[_Swap] = []
+    skipped: dict[str, str] = {}
+    for site in sites:
+        try:
+            swap = _resolve(key, site)
+        except (ImportError, AttributeError) as exc:
+            if not site.optional:
+                raise
+            skipped[site.path] = str(exc)
+            continue
+        swaps.append(swap)
+        if site.everywhere:
+            swaps.extend(_copy_swaps(swap))
+    swaps = _unique(swaps)
     for swap in swaps:
         setattr(swap.owner, swap.attr, swap.new)
-    handle = PatchHandle(key, swaps, options)
+    handle = PatchHandle(key, swaps, options, skipped)
     _ACTIVE[key] = handle
     return handle
 
@@ -121,6 +164,8 @@ def _resolve(key: str, site: Site) -> _Swap:
     *parents, attr = site.name.split(".")
     for part in parents:
         owner = getattr(owner, part, None)
+    if owner is not None and attr not in getattr(owner, "__dict__", {}):
+        getattr(owner, attr, None)  # a lazy module binds its export on first access
     if owner is None or attr not in getattr(owner, "__dict__", {}):
         raise AttributeError(
             f"{key}: {site.path} does not exist in this version; the symbol to replace "
@@ -128,4 +173,39 @@ def _resolve(key: str, site: Site) -> _Swap:
         )
     original = owner.__dict__[attr]
     new = site.replacement(original) if site.wraps else site.replacement
-    return _Swap(owner, attr, site.path, original, new)
+    package = site.module.split(".")[0] if site.everywhere else None
+    return _Swap(owner, attr, site.path, original, new, package)
+
+
+def _copy_swaps(swap: _Swap) -> list[_Swap]:
+    return [
+        _Swap(module, attr, f"{module.__name__}.{attr}", swap.original, swap.new, swap.package)
+        for module, attr in _copies(swap.package, swap.original)
+        if not (module is swap.owner and attr == swap.attr)
+    ]
+
+
+def _copies(package: str, obj: object) -> list[tuple[object, str]]:
+    """(module, attribute) of every module of `package` now loaded that binds `obj`."""
+    found = []
+    for name, module in list(sys.modules.items()):
+        if module is None or not (name == package or name.startswith(package + ".")):
+            continue
+        namespace = getattr(module, "__dict__", None)
+        if not isinstance(namespace, dict):
+            continue
+        for attr, value in list(namespace.items()):
+            if value is obj:
+                found.append((module, attr))
+    return found
+
+
+def _unique(swaps: list[_Swap]) -> list[_Swap]:
+    seen: set[tuple[int, str]] = set()
+    out = []
+    for swap in swaps:
+        ident = (id(swap.owner), swap.attr)
+        if ident not in seen:
+            seen.add(ident)
+            out.append(swap)
+    return out

@@ -12,18 +12,22 @@ an out-of-range target raises instead of giving log-sum-exp; `label_smoothing !=
 modified in place. `vocab_size` (keyword only) leaves Megatron's padding columns out;
 Megatron itself includes them.
 
-`patch_megatron()` swaps the function into megatron-core where its models call it.
+`patch_megatron()` swaps the function into megatron-core where its models call it, and
+Megatron-LM's RL log-probs (`megatron.rl.rl_utils.selective_log_softmax`) where the
+Megatron-LM source tree is importable. An explicit `tp_group` is asked for its rank and
+size with `group.rank()` / `group.size()`, as megatron-core's `get_pg_rank` does.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import numbers
 
 import torch
 
 from ..api import selected_logprobs
-from . import _patching
+from . import _patching, _rows
 
 PATCH_KEY = "patch_megatron"
 MAKE_VOCAB_SIZE_DIVISIBLE_BY = 128  # Megatron-LM's default --make-vocab-size-divisible-by
@@ -104,10 +108,33 @@ def resolve_tp_group(tp_group, vocab_parallel_logits: torch.Tensor):
     return group, start
 
 
-def patch_megatron(*, vocab_size: int | None = None) -> _patching.PatchHandle:
-    """Make megatron-core's models compute their cross-entropy with exactlogp.
+def selective_log_softmax(
+    logits: torch.Tensor, index: torch.Tensor, *, vocab_size: int | None = None
+) -> torch.Tensor:
+    """Megatron-LM RL's `selective_log_softmax(logits, index)` (megatron/rl/rl_utils.py):
+    log_softmax over the gathered, padded vocabulary at `index` ((...) or (..., K)),
+    computed by exactlogp. Output dtype: Megatron's -- fp32 when its batch-invariant mode
+    upcasts rows, else the logits' dtype. `vocab_size` leaves the padding columns out
+    (Megatron keeps them in the normaliser)."""
+    logprobs = _rows.k_ids_per_row(logits, index, vocab_size=vocab_size)
+    return _rows.cast(logprobs, torch.float32 if _batch_invariant_mode() else logits.dtype)
 
-    Replaces, in megatron-core 0.16:
+
+def _batch_invariant_mode() -> bool:
+    import sys
+
+    rl_utils = sys.modules.get(_RL_UTILS)
+    enabled = getattr(rl_utils, "is_batch_invariant_mode_enabled", None)
+    return bool(enabled()) if callable(enabled) else False
+
+
+_RL_UTILS = "megatron.rl.rl_utils"
+
+
+def patch_megatron(*, vocab_size: int | None = None) -> _patching.PatchHandle:
+    """Make megatron-core's models (and Megatron-LM's RL loop) use exactlogp.
+
+    Replaces, in megatron-core 0.16 to 0.19 (HEAD):
     `megatron.core.tensor_parallel.cross_entropy.vocab_parallel_cross_entropy`, its
     re-export `megatron.core.tensor_parallel.vocab_parallel_cross_entropy` (what
     `LanguageModule.compute_language_model_loss` and verl call), and the native fused
@@ -115,14 +142,24 @@ def patch_megatron(*, vocab_size: int | None = None) -> _patching.PatchHandle:
     `megatron.core.models.common.language_module.language_module`. Transformer Engine's
     cross-entropy (`cross_entropy_fusion_impl="te"`) is not replaced.
 
+    Megatron-LM's RL path (`megatron/rl`, in no wheel: a source checkout on PYTHONPATH):
+    `megatron.rl.rl_utils.selective_log_softmax`, which `get_logprobs` calls for the
+    policy, old and reference log-probs (also under context parallelism). Where
+    `megatron.rl.rl_utils` does not import, that site is skipped and named in
+    `handle.skipped`.
+
     Opt-in and idempotent (a second call returns the live handle); undo with
     `unpatch_megatron()` or `handle.undo()`. Raises ImportError / AttributeError naming the
     symbol if this megatron-core version moved it, and then changes nothing.
     """
     if vocab_size is None:
         plain, fused = vocab_parallel_cross_entropy, fused_vocab_parallel_cross_entropy
+        rl = selective_log_softmax
     else:
         plain, fused = _bind_vocab_size(vocab_size)
+        rl = functools.wraps(selective_log_softmax)(
+            functools.partial(selective_log_softmax, vocab_size=vocab_size)
+        )
     sites = [
         _patching.Site("megatron.core.tensor_parallel.cross_entropy", "vocab_parallel_cross_entropy", plain),
         _patching.Site("megatron.core.tensor_parallel", "vocab_parallel_cross_entropy", plain),
@@ -132,6 +169,7 @@ def patch_megatron(*, vocab_size: int | None = None) -> _patching.PatchHandle:
             "fused_vocab_parallel_cross_entropy",
             fused,
         ),
+        _patching.Site(_RL_UTILS, "selective_log_softmax", rl, optional=True),
     ]  # fmt: skip
     return _patching.apply(PATCH_KEY, sites, {"vocab_size": vocab_size})
 

@@ -1,64 +1,477 @@
-"""TRL drop-ins on full (unsharded) logits: `selective_log_softmax`, `entropy_from_logits`.
+"""TRL drop-ins, with TRL 1.16's names, arguments and output dtypes.
 
-Same names and arguments as `trl.trainer.utils`. Each value is bitwise the one
-`exactlogp.selected_logprobs` gives for the same row (and so the one a TP-sharded trainer
-or a rollout engine gets from exactlogp), correctly rounded, differentiable. Results are
-fp32 whatever the logits' dtype; fp64 logits are refused (contract exactlogp-v1 takes
-bf16, fp16 and fp32).
+On full logits (`trl.trainer.utils`):
+- `selective_log_softmax(logits, index, temperature=1.0, row_mask=None)`: index (...) or
+  (..., K); rows where `row_mask == 0` give 0.
+- `selective_log_softmax_and_entropy(logits, index, entropy_requires_grad=True,
+  temperature=1.0, row_mask=None)`: both from one pass.
+- `entropy_from_logits(logits, chunk_size=128)`.
+
+On hidden states and the LM-head weight (the fused head every TRL 1.16 trainer uses):
+- `ChunkedLogProbFunction.apply(...)`, the 9-argument, 5-output form of
+  `trl.kernels.ChunkedLogProbFunction`, and `add_fused_lm_head(model, temperature,
+  cast_lm_head_to_fp32, outputs)`, computed by `exactlogp.linear_selected_logprobs`.
+
+`patch_trl()` swaps all of them into TRL, in every module that bound them.
+
+Values: every bf16 / fp16 / fp32 result is exactlogp's (`exactlogp.CONTRACT`): the
+temperature divides fp32(logits) by IEEE division (as TRL's GPU kernel does, and as a
+rollout engine's processed logprobs do), not the logits in their own dtype (TRL's CPU
+path). Output dtype: TRL's -- fp32 where TRL would run its Triton kernel (a CUDA / XPU
+device with Triton, at most 3-D logits, one id per row), the logits' dtype elsewhere;
+`out_dtype=torch.float32` keeps exactlogp's fp32 everywhere. fp64 logits are outside the
+contract and computed in fp64 with plain torch (accurate, not bit-invariant). Ids equal to
+-100 give 0 (TRL's gather raises on them).
 """
 
 from __future__ import annotations
 
-import numbers
+import functools
+import types
+from contextlib import nullcontext
 
 import torch
 
-from ..api import selected_logprobs
+from ..linear import linear_logits, linear_selected_logprobs
+from . import _patching, _rows
+from ._dtensor import is_dtensor, vocab_shard
+
+PATCH_KEY = "patch_trl"
+OPTIONAL_OUTPUTS = ("entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
+FUSED_OUTPUTS = ("log_probs", *OPTIONAL_OUTPUTS)
+_ROW_BLOCK = 1024  # rows of (N, V) fp32 logits materialised at once for mean_logits / is_top1
 
 
-def selective_log_softmax(logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """log_softmax(logits, -1) gathered at `index`, without the (..., V) log-softmax.
+# --- full logits ---
+
+
+def selective_log_softmax(
+    logits: torch.Tensor,
+    index: torch.Tensor,
+    temperature: float = 1.0,
+    row_mask: torch.Tensor | None = None,
+    *,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """log_softmax(logits / temperature, -1) gathered at `index`, shaped like `index`.
 
     Args:
         logits: (..., V).
-        index: (...) one token id per row, or (..., K) K ids per row; ids equal to -100
-            give 0.
-    Returns:
-        fp32 shaped like `index`. With K ids per row the row is read K times.
+        index: (...) one id per row, or (..., K) K ids per row (each its own exact pass).
+        temperature: > 0.
+        row_mask: shaped like `index` (or like logits.shape[:-1] with a (..., K) index);
+            rows where it is 0 give exactly 0 and no gradient.
+        out_dtype: None for TRL's dtype (see the module docstring), or a dtype.
     """
-    if not isinstance(logits, torch.Tensor) or not isinstance(index, torch.Tensor):
-        raise TypeError(
-            "logits and index must be torch.Tensors, got "
-            f"{type(logits).__name__} and {type(index).__name__}"
+    temperature = _rows.check_positive_temperature(temperature)
+    logprobs = _rows.k_ids_per_row(logits, index, temperature=temperature, row_mask=row_mask)
+    return _rows.cast(logprobs, _dtype(out_dtype, logits, index))
+
+
+def selective_log_softmax_and_entropy(
+    logits: torch.Tensor,
+    index: torch.Tensor,
+    entropy_requires_grad: bool = True,
+    temperature: float = 1.0,
+    row_mask: torch.Tensor | None = None,
+    *,
+    out_dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-probabilities at `index`, entropy) of softmax(logits / temperature), one id
+    per row, from one pass; both 0 where `row_mask == 0`. With
+    `entropy_requires_grad=False` the entropy is detached."""
+    temperature = _rows.check_positive_temperature(temperature)
+    _rows.check_tensor("logits", logits)
+    _rows.check_tensor("index", index)
+    if tuple(index.shape) != tuple(logits.shape[:-1]):
+        raise ValueError(
+            f"index shape {tuple(index.shape)} must be logits shape without its last "
+            f"dimension, {tuple(logits.shape[:-1])} (one id per row)"
         )
-    rows = tuple(logits.shape[:-1])
-    if tuple(index.shape) == rows:
-        return selected_logprobs(logits, index).logprobs
-    if index.dim() == logits.dim() and tuple(index.shape[:-1]) == rows:
-        columns = [
-            selected_logprobs(logits, index[..., k]).logprobs for k in range(index.shape[-1])
-        ]
-        if not columns:
-            return torch.empty(index.shape, dtype=torch.float32, device=logits.device)
-        return torch.stack(columns, dim=-1)
-    raise ValueError(
-        f"index shape {tuple(index.shape)} must be logits shape without its last dimension, "
-        f"{rows}, optionally followed by K"
+    logprobs, entropy = _rows.one_id_per_row(
+        logits, index, temperature=temperature, row_mask=row_mask, with_entropy=True
+    )
+    if not entropy_requires_grad:
+        entropy = entropy.detach()
+    dtype = _dtype(out_dtype, logits, index)
+    return _rows.cast(logprobs, dtype), _rows.cast(entropy, dtype)
+
+
+def entropy_from_logits(
+    logits: torch.Tensor, chunk_size: int = 128, *, out_dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """Entropy (nats) of softmax(logits) per row, shaped logits.shape[:-1].
+
+    `chunk_size` is TRL's memory knob; exactlogp already bounds its memory per row block,
+    and no chunking changes a bit.
+    """
+    _rows.check_chunk_size(chunk_size)
+    return _rows.cast(
+        _rows.entropy(logits), _dtype(out_dtype, _rows.check_tensor("logits", logits))
     )
 
 
-def entropy_from_logits(logits: torch.Tensor, chunk_size: int = 128) -> torch.Tensor:
-    """Entropy (nats) of softmax(logits) for each row; fp32 shaped logits.shape[:-1].
+def _dtype(out_dtype, logits: torch.Tensor, index: torch.Tensor | None = None) -> torch.dtype:
+    if out_dtype is not None:
+        if not isinstance(out_dtype, torch.dtype):
+            raise TypeError(f"out_dtype must be a torch.dtype or None, got {out_dtype!r}")
+        return out_dtype
+    kernel = (
+        logits.device.type in ("cuda", "xpu")
+        and logits.dtype in _rows.CONTRACT_DTYPES
+        and 1 <= logits.dim() <= 3
+        and (index is None or tuple(index.shape) == tuple(logits.shape[:-1]))
+        and _rows.triton_installed()
+    )
+    return torch.float32 if kernel else logits.dtype
 
-    `chunk_size` is accepted for TRL's signature; exactlogp already works through the
-    rows in blocks of bounded memory, and no choice of chunk changes a bit.
+
+# --- the fused LM head ---
+
+
+def chunked_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    targets: torch.Tensor,
+    temperature: float,
+    chunk_size: int = 4096,
+    final_logit_softcapping: float | None = None,
+    logit_scale: float = 1.0,
+    outputs: tuple[str, ...] = OPTIONAL_OUTPUTS,
+) -> tuple[torch.Tensor, ...]:
+    """TRL 1.16's `ChunkedLogProbFunction` contract, computed by exactlogp.
+
+    Args:
+        hidden: (N, H); weight: (V, H) (a DTensor sharded on V is used shard by shard);
+        bias: (V,) or None; targets: (N,) ids in [0, V) (-100 gives 0).
+        temperature, logit_scale: z = (hidden @ weight.T + bias) * logit_scale / temperature.
+        chunk_size: TRL's tile width; no effect on a bit here.
+        final_logit_softcapping: must be None (refused: outside the contract).
+        outputs: which of OPTIONAL_OUTPUTS to compute; the others are None.
+    Returns:
+        (log_probs, entropy, log_sum_sq_probs, mean_logits, is_top1), each (N,): fp32
+        (is_top1 bool). log_probs and entropy are exactlogp's and differentiable with
+        respect to hidden, weight and bias; log_sum_sq_probs (log sum_v p_v^2, from the
+        log-sum-exp at temperature / 2: lse(2z) - 2 lse(z)), mean_logits (mean of z over
+        the vocabulary, summed in fp64) and is_top1 (target == argmax z, ties to the
+        lowest id) carry no gradient.
     """
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, numbers.Integral):
-        raise TypeError(f"chunk_size must be an int, got {type(chunk_size).__name__}")
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    if not isinstance(logits, torch.Tensor):
-        raise TypeError(f"logits must be a torch.Tensor, got {type(logits).__name__}")
-    # Any id inside the vocabulary serves as the (unused) target.
-    target = torch.zeros(logits.shape[:-1], dtype=torch.int64, device=logits.device)
-    return selected_logprobs(logits, target, with_entropy=True).entropy
+    _check_outputs(outputs, allowed=OPTIONAL_OUTPUTS + ("log_probs",))
+    if final_logit_softcapping is not None:
+        raise ValueError(
+            f"final_logit_softcapping={final_logit_softcapping!r} is not supported: "
+            "tanh soft-capping of the logits is outside exactlogp's linear-logits contract; "
+            "use TRL's own fused head (unpatch_trl()) for this model"
+        )
+    _rows.check_positive_temperature(temperature)
+    compute = _compute_dtype(hidden)
+    with (
+        _no_autocast(hidden.device)
+        if torch.is_autocast_enabled(hidden.device.type)
+        else nullcontext()
+    ):
+        hidden = hidden.to(compute)
+        head = _head(weight.to(compute) if not is_dtensor(weight) else weight, bias, compute)
+        result = linear_selected_logprobs(
+            hidden,
+            head.weight,
+            targets,
+            bias=head.bias,
+            tp_group=head.tp_group,
+            vocab_start=head.vocab_start,
+            vocab_size=head.vocab_size,
+            temperature=temperature,
+            logit_scale=logit_scale,
+            with_entropy="entropy" in outputs,
+        )
+        extras = _extras(result, hidden, head, targets, temperature, logit_scale, outputs)
+    entropy = result.entropy if "entropy" in outputs else None
+    return (result.logprobs, entropy, *extras)
+
+
+class ChunkedLogProbFunction:
+    """Stands in for `trl.kernels.ChunkedLogProbFunction` (TRL calls `.apply(...)`)."""
+
+    apply = staticmethod(chunked_logprobs)
+
+
+def add_fused_lm_head(
+    model,
+    temperature: float = 1.0,
+    cast_lm_head_to_fp32: bool = False,
+    outputs: tuple[str, ...] = ("log_probs",),
+) -> None:
+    """TRL 1.16's `add_fused_lm_head`, computed by exactlogp.
+
+    After it, `model(..., labels=labels, fused_lm_head=True)` returns TRL's
+    `FusedCausalLMOutput`: per-token `log_probs` (and the `outputs` asked for) of the
+    next-token labels, shaped (B, L - 1) -- or (B, L) with pre-shifted `shift_labels` --
+    0 where the label is -100, `label_mask`, and `loss` = -sum(log_probs) /
+    (`num_items_in_batch` or the number of labels), plus the MoE load-balancing loss when
+    the config asks for router logits. Without `fused_lm_head=True` the model's own
+    forward runs. The config's logit scale (`logit_scale`, `output_multiplier`,
+    `lm_head_multiplier`, 1 / `logits_scaling` -- a multiplier for HyperCLOVA X) is read
+    once, now; `final_logit_softcapping` is refused (ValueError) now.
+    """
+    _rows.check_positive_temperature(temperature)
+    _check_outputs(outputs, allowed=FUSED_OUTPUTS)
+    text_config = model.config.get_text_config()
+    softcap = getattr(text_config, "final_logit_softcapping", None)
+    if softcap is not None:
+        raise ValueError(
+            f"final_logit_softcapping={softcap!r} in the model config is not supported: tanh "
+            "soft-capping is outside exactlogp's linear-logits contract"
+        )
+    logit_scale = _config_logit_scale(text_config)
+    kernel_outputs = tuple(name for name in OPTIONAL_OUTPUTS if name in outputs)
+    original_forward = model.forward
+    backbone = _backbone_attr(model, text_config)
+
+    @functools.wraps(type(model).forward)  # generate() checks kwargs against the signature
+    def forward(self, *args, fused_lm_head=False, labels=None, shift_labels=None,
+                num_items_in_batch=None, **kwargs):  # fmt: skip
+        if not fused_lm_head:
+            for name, value in (("labels", labels), ("shift_labels", shift_labels),
+                                ("num_items_in_batch", num_items_in_batch)):  # fmt: skip
+                if value is not None:
+                    kwargs[name] = value
+            return original_forward(*args, **kwargs)
+        return _fused_forward(
+            self, backbone, text_config, args, kwargs, labels, shift_labels, num_items_in_batch,
+            temperature, cast_lm_head_to_fp32, logit_scale, kernel_outputs,
+        )  # fmt: skip
+
+    model.forward = types.MethodType(forward, model)
+
+
+def _fused_forward(model, backbone, text_config, args, kwargs, labels, shift_labels,
+                   num_items_in_batch, temperature, cast_to_fp32, logit_scale, outputs):  # fmt: skip
+    _refuse_zero3()
+    kwargs["use_cache"] = False
+    if getattr(text_config, "output_router_logits", False):
+        kwargs.setdefault("output_router_logits", True)
+    states = getattr(model, backbone)(*args, **kwargs)
+    if shift_labels is None:
+        if labels is None:
+            raise ValueError("fused_lm_head=True needs labels (or shift_labels)")
+        hidden, labels = states.last_hidden_state[:, :-1], labels[:, 1:]
+    else:
+        hidden, labels = states.last_hidden_state, shift_labels
+    head = model.get_output_embeddings()
+    hidden = hidden.to(head.weight.device)
+    labels = labels.to(head.weight.device)
+    mask = labels != -100
+    context = nullcontext()
+    if cast_to_fp32:
+        hidden = hidden.float()
+        context = _no_autocast(hidden.device)
+    with context:
+        per_token = chunked_logprobs(
+            hidden.reshape(-1, hidden.shape[-1]),
+            head.weight,
+            head.bias,
+            labels.reshape(-1),  # -100 gives 0 and no gradient
+            temperature,
+            4096,
+            None,
+            logit_scale,
+            outputs,
+        )
+    log_probs, entropy, log_sum_sq, mean_logits, is_top1 = (
+        None if x is None else x.view(mask.shape).masked_fill(~mask, 0) for x in per_token
+    )
+    denominator = mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
+    loss = -log_probs.sum() / denominator
+    aux_loss = None
+    if kwargs.get("output_router_logits"):
+        aux_loss = _router_aux_loss(model, text_config, states, kwargs.get("attention_mask"))
+        loss = loss + getattr(text_config, "router_aux_loss_coef", 0.0) * aux_loss
+    from trl.trainer.utils import FusedCausalLMOutput
+
+    return FusedCausalLMOutput(
+        loss=loss, log_probs=log_probs, entropy=entropy, log_sum_sq_probs=log_sum_sq,
+        mean_logits=mean_logits, is_top1=is_top1, label_mask=mask, aux_loss=aux_loss,
+    )  # fmt: skip
+
+
+class _Head(types.SimpleNamespace):
+    """weight (V_local, H), bias, tp_group, vocab_start, vocab_size for exactlogp."""
+
+
+def _head(weight, bias, compute) -> _Head:
+    if not is_dtensor(weight):
+        b = None if bias is None else bias.to(compute)
+        return _Head(weight=weight, bias=b, tp_group=None, vocab_start=None, vocab_size=None)
+    shard = vocab_shard(weight, 0)
+    b = bias
+    if b is not None and is_dtensor(b):
+        b_shard = vocab_shard(b, 0)
+        b = b_shard.local if shard.tp_group is not None else b.full_tensor()
+    return _Head(
+        weight=shard.local.to(compute),
+        bias=None if b is None else b.to(compute),
+        tp_group=shard.tp_group,
+        vocab_start=shard.vocab_start,
+        vocab_size=shard.vocab_size if shard.tp_group is not None else None,
+    )
+
+
+def _extras(result, hidden, head, targets, temperature, logit_scale, outputs):
+    log_sum_sq = mean_logits = is_top1 = None
+    with torch.no_grad():
+        if "log_sum_sq_probs" in outputs:
+            # log sum_v p_v^2 = lse(2 z) - 2 lse(z), and 2 z is z at temperature / 2 exactly
+            # (halving a float is exact), so both terms are exactlogp's log-sum-exp.
+            half = linear_selected_logprobs(
+                hidden, head.weight, targets, bias=head.bias, tp_group=head.tp_group,
+                vocab_start=head.vocab_start, vocab_size=head.vocab_size,
+                temperature=temperature / 2, logit_scale=logit_scale,
+            )  # fmt: skip
+            log_sum_sq = half.lse - 2 * result.lse.detach()
+        if "mean_logits" in outputs or "is_top1" in outputs:
+            if head.tp_group is not None:
+                raise ValueError(
+                    "mean_logits and is_top1 are not computed for an LM head sharded over a "
+                    "tensor-parallel group; ask for log_probs and entropy only"
+                )
+            mean_logits, is_top1 = _logit_stats(
+                hidden, head, targets, temperature, logit_scale, outputs
+            )
+    return log_sum_sq, mean_logits, is_top1
+
+
+def _logit_stats(hidden, head, targets, temperature, logit_scale, outputs):
+    means, tops = [], []
+    for lo in range(0, hidden.shape[0], _ROW_BLOCK):
+        z = linear_logits(
+            hidden[lo : lo + _ROW_BLOCK], head.weight, head.bias, logit_scale=logit_scale
+        )
+        z = z.to(torch.float32) / temperature
+        if "mean_logits" in outputs:
+            means.append((z.double().sum(-1) / z.shape[-1]).to(torch.float32))
+        if "is_top1" in outputs:
+            tops.append(z.argmax(-1) == targets[lo : lo + _ROW_BLOCK])
+    empty = hidden.new_empty((0,), dtype=torch.float32)
+    mean = (torch.cat(means) if means else empty) if "mean_logits" in outputs else None
+    top = (torch.cat(tops) if tops else empty.bool()) if "is_top1" in outputs else None
+    return mean, top
+
+
+def _check_outputs(outputs, allowed) -> None:
+    if isinstance(outputs, str) or not all(isinstance(o, str) for o in outputs):
+        raise TypeError(f"outputs must be a tuple of names, got {outputs!r}")
+    unknown = [o for o in outputs if o not in allowed]
+    if unknown:
+        raise ValueError(f"outputs {unknown} are unknown; choose among {allowed}")
+
+
+def _config_logit_scale(config) -> float:
+    for name in ("logit_scale", "output_multiplier", "lm_head_multiplier"):
+        value = getattr(config, name, None)
+        if value is not None:
+            return float(value)
+    scaling = getattr(config, "logits_scaling", None)
+    if scaling is not None:
+        # Granite and MiniCPM3 divide by it; HyperCLOVA X multiplies by it.
+        return float(scaling) if config.model_type == "hyperclovax" else 1 / float(scaling)
+    return 1.0
+
+
+def _backbone_attr(model, text_config) -> str:
+    if text_config is model.config:
+        return "base_model"
+    import transformers
+    from packaging.version import Version
+
+    # Before transformers 5, vision-language models keep the language backbone at `model`.
+    return "model" if Version(transformers.__version__) < Version("5.0.0") else "base_model"
+
+
+def _compute_dtype(hidden: torch.Tensor) -> torch.dtype:
+    kind = hidden.device.type
+    if torch.is_autocast_enabled(kind):
+        return torch.get_autocast_dtype(kind)
+    return hidden.dtype
+
+
+def _no_autocast(device: torch.device):
+    return torch.autocast(device.type, enabled=False)
+
+
+def _refuse_zero3() -> None:
+    try:
+        from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+    except ImportError:
+        return
+    if is_deepspeed_zero3_enabled():
+        raise RuntimeError(
+            "DeepSpeed ZeRO-3 is not supported by exactlogp's add_fused_lm_head: its backward "
+            "recomputes the logits from lm_head.weight, which ZeRO-3 gathers only inside the "
+            "head's own forward; use FSDP2 (DTensor) or unpatch_trl()"
+        )
+
+
+def _router_aux_loss(model, text_config, states, attention_mask):
+    from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+    experts = getattr(text_config, "num_experts", None)
+    if experts is None:
+        experts = getattr(model, "num_experts", None)
+    per_token = getattr(text_config, "num_experts_per_tok", None)
+    if per_token is None:
+        per_token = getattr(model, "num_experts_per_tok", None)
+    return load_balancing_loss_func(states.router_logits, experts, per_token, attention_mask)
+
+
+# --- patching TRL ---
+
+
+def patch_trl(*, out_dtype: torch.dtype | None = None) -> _patching.PatchHandle:
+    """Make TRL compute its log-probabilities and entropies with exactlogp.
+
+    Replaces, in `trl.trainer.utils` and in every TRL module that bound them by name
+    (the GRPO / RLOO / KTO / SFT / DPO / async-GRPO trainers' `add_fused_lm_head`, the
+    experimental trainers' `selective_log_softmax`, the lazy `trl.trainer` export):
+    `selective_log_softmax`, `selective_log_softmax_and_entropy`, `entropy_from_logits`,
+    `add_fused_lm_head`, and `_ChunkedLogProbFunction` (the fused head of models patched
+    before this call; also `trl.kernels.ChunkedLogProbFunction`). TRL modules imported
+    later copy the patched names. `out_dtype` applies to the full-logits functions.
+
+    Opt-in and idempotent; undo with `unpatch_trl()` or `handle.undo()`. A TRL that moved
+    one of these names raises ImportError / AttributeError naming it and changes nothing.
+    """
+    full = _with_out_dtype(out_dtype)
+    sites = [
+        _patching.Site("trl.trainer.utils", name, fn, everywhere=True)
+        for name, fn in (
+            ("selective_log_softmax", full["selective_log_softmax"]),
+            ("selective_log_softmax_and_entropy", full["selective_log_softmax_and_entropy"]),
+            ("entropy_from_logits", full["entropy_from_logits"]),
+            ("add_fused_lm_head", add_fused_lm_head),
+            ("_ChunkedLogProbFunction", ChunkedLogProbFunction),
+        )
+    ]
+    sites.append(_patching.Site("trl.trainer", "add_fused_lm_head", add_fused_lm_head))
+    return _patching.apply(PATCH_KEY, sites, {"out_dtype": out_dtype})
+
+
+def unpatch_trl() -> bool:
+    """Restore TRL's own functions; False if `patch_trl` was not applied."""
+    return _patching.undo(PATCH_KEY)
+
+
+def _with_out_dtype(out_dtype) -> dict:
+    fns = {
+        "selective_log_softmax": selective_log_softmax,
+        "selective_log_softmax_and_entropy": selective_log_softmax_and_entropy,
+        "entropy_from_logits": entropy_from_logits,
+    }
+    if out_dtype is None:
+        return fns
+    if not isinstance(out_dtype, torch.dtype):
+        raise TypeError(f"out_dtype must be a torch.dtype or None, got {out_dtype!r}")
+    return {
+        name: functools.wraps(fn)(functools.partial(fn, out_dtype=out_dtype))
+        for name, fn in fns.items()
+    }

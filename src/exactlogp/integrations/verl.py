@@ -1,21 +1,110 @@
-"""verl drop-ins: log-probs and entropy from vocab-parallel logits (Megatron layout).
+"""verl drop-ins, with verl 0.9's names, arguments and output dtypes.
 
-Names, arguments and shapes follow `verl.utils.megatron.tensor_parallel`: logits
-(total_nnz, V_local) or any (..., V_local), labels (...) global ids, results (...) fp32,
-split over Megatron's tensor-model-parallel group unless `tp_group` is given. The results
-have the same bits for every TP degree, and log-prob and entropy can come from one pass.
+FSDP / torchtitan / automodel engines (`verl.utils.torch_functional`, full logits or a
+DTensor sharded on the vocabulary):
+- `logprobs_from_logits(logits, labels, inplace_backward=True)`, `logprobs_from_logits_v2`
+- `entropy_from_logits(logits)`, `entropy_from_logits_with_chunking(logits, chunk_size=2048)`
 
-verl's own `vocab_parallel_log_probs_from_logits` calls
-`megatron.core.tensor_parallel.vocab_parallel_cross_entropy`, so `patch_megatron()` alone
-already makes verl's log-probs exact; its entropy needs `vocab_parallel_entropy` below.
+Megatron engine (`verl.utils.megatron.tensor_parallel`, vocab-parallel logits in
+Megatron's layout over its tensor-model-parallel group unless `tp_group` is given):
+- `vocab_parallel_log_probs_from_logits`, `vocab_parallel_entropy`,
+  `vocab_parallel_entropy_with_chunking`, and `vocab_parallel_log_probs_and_entropy`
+  (both from one pass).
+
+Fused kernels (`use_fused_kernels=True`), computed by `exactlogp.linear_selected_logprobs`:
+- `FusedLinearForPPO` (`verl.utils.experimental.torch_functional`) and
+  `linear_cross_entropy(hidden, weight, labels, temperature, reduction, dist_process_group)`
+  (`verl.utils.kernel.linear_cross_entropy`, the Triton path and Megatron's fused forward).
+
+`patch_verl()` swaps all of them into verl. verl divides the logits by the temperature
+itself, in their dtype, before these functions see them. Output dtypes are verl's: the
+logits' dtype, except fp32 where verl's flash-attn / NPU cross-entropy would run and for
+`entropy_from_logits_with_chunking`, the Megatron functions and the fused kernels
+(`out_dtype=torch.float32` keeps exactlogp's fp32). fp64 logits are computed in fp64 with
+plain torch (outside the contract).
 """
 
 from __future__ import annotations
 
+import functools
+import importlib.util
+import os
+import sys
+import warnings
+
 import torch
 
 from ..api import LogprobResult, selected_logprobs
+from ..linear import linear_selected_logprobs
+from . import _patching, _rows
 from .megatron import resolve_tp_group
+
+PATCH_KEY = "patch_verl"
+
+
+# --- FSDP / torchtitan / automodel: full (or DTensor) logits ---
+
+
+def logprobs_from_logits(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    inplace_backward: bool = True,
+    *,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """log_softmax(logits, -1) at `labels`, shaped like labels. `inplace_backward` is
+    accepted for verl's signature: exactlogp never writes into the logits."""
+    del inplace_backward
+    logprobs, _ = _rows.one_id_per_row(_rows.check_tensor("logits", logits), labels)
+    return _rows.cast(logprobs, _dtype(out_dtype, logits, fused_ce=True))
+
+
+def logprobs_from_logits_v2(
+    logits: torch.Tensor, labels: torch.Tensor, *, out_dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """verl's memory-lean variant: the same values; the logits' dtype."""
+    logprobs, _ = _rows.one_id_per_row(_rows.check_tensor("logits", logits), labels)
+    return _rows.cast(logprobs, _dtype(out_dtype, logits))
+
+
+def entropy_from_logits(
+    logits: torch.Tensor, *, out_dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """Entropy of softmax(logits) per row, shaped logits.shape[:-1]; the logits' dtype."""
+    return _rows.cast(_rows.entropy(logits), _dtype(out_dtype, logits))
+
+
+def entropy_from_logits_with_chunking(logits: torch.Tensor, chunk_size: int = 2048) -> torch.Tensor:
+    """The same entropy in fp32 (verl's chunked variant returns fp32); `chunk_size` is
+    verl's memory knob and changes no bit (any leading shape is accepted)."""
+    _rows.check_chunk_size(chunk_size)
+    return _rows.cast(_rows.entropy(logits), torch.float32)
+
+
+def _dtype(out_dtype, logits: torch.Tensor, fused_ce: bool = False) -> torch.dtype:
+    if out_dtype is not None:
+        if not isinstance(out_dtype, torch.dtype):
+            raise TypeError(f"out_dtype must be a torch.dtype or None, got {out_dtype!r}")
+        return out_dtype
+    if fused_ce and _verl_uses_fused_ce():
+        return torch.float32
+    return logits.dtype
+
+
+def _verl_uses_fused_ce() -> bool:
+    """Whether verl's own logprobs_from_logits would take its fp32 flash-attn / NPU path."""
+    module = sys.modules.get("verl.utils.torch_functional")
+    if module is not None:
+        flash = getattr(module, "FLAH_ATTN_CROSS_ENTROPY_LOSS_AVAILABLE", False)
+        npu = getattr(module, "NPU_CROSS_ENTROPY_LOSS_AVAILABLE", False)
+    else:
+        flash = importlib.util.find_spec("flash_attn") is not None
+        npu = importlib.util.find_spec("torch_npu") is not None
+    flash = flash and os.environ.get("VERL_DISABLE_FLASH_ATTN_CE", "0") != "1"
+    return bool(flash or npu)
+
+
+# --- Megatron engine: vocab-parallel logits ---
 
 
 def vocab_parallel_log_probs_from_logits(
@@ -36,6 +125,18 @@ def vocab_parallel_entropy(
     return _run(vocab_parallel_logits, labels, tp_group, vocab_size, with_entropy=True).entropy
 
 
+def vocab_parallel_entropy_with_chunking(
+    vocab_parallel_logits: torch.Tensor,
+    chunk_size: int = 2048,
+    *,
+    tp_group=None,
+    vocab_size: int | None = None,
+) -> torch.Tensor:
+    """`vocab_parallel_entropy`; `chunk_size` is verl's memory knob and changes no bit."""
+    _rows.check_chunk_size(chunk_size)
+    return vocab_parallel_entropy(vocab_parallel_logits, tp_group=tp_group, vocab_size=vocab_size)
+
+
 def vocab_parallel_log_probs_and_entropy(
     logits: torch.Tensor, labels: torch.Tensor, *, tp_group=None, vocab_size: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -45,8 +146,7 @@ def vocab_parallel_log_probs_and_entropy(
 
 
 def _run(logits, labels, tp_group, vocab_size, with_entropy: bool) -> LogprobResult:
-    if not isinstance(logits, torch.Tensor):
-        raise TypeError(f"logits must be a torch.Tensor, got {type(logits).__name__}")
+    _rows.check_tensor("logits", logits)
     group, vocab_start = resolve_tp_group(tp_group, logits)
     return selected_logprobs(
         logits,
@@ -55,4 +155,173 @@ def _run(logits, labels, tp_group, vocab_size, with_entropy: bool) -> LogprobRes
         vocab_start=vocab_start,
         vocab_size=vocab_size,
         with_entropy=with_entropy,
+    )
+
+
+# --- fused kernels: hidden states and the LM-head weight ---
+
+
+def linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float = 1.0,
+    reduction: str = "none",
+    dist_process_group=None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """verl's `linear_cross_entropy`: (log-probs, entropy) of softmax(hidden @ weight.T /
+    temperature) at `labels`, both fp32 and flattened to (num_tokens,). With
+    `dist_process_group`, `weight` is this rank's rows of a vocabulary split in
+    Megatron's layout (rank r from r * V_local)."""
+    if reduction != "none":
+        raise ValueError(
+            f"reduction={reduction!r} is not supported: verl calls it with 'none'; reduce "
+            "the per-token values yourself"
+        )
+    hidden = hidden.reshape(-1, hidden.shape[-1])
+    result = linear_selected_logprobs(
+        hidden,
+        weight,
+        labels.reshape(-1).to(torch.int64),
+        tp_group=dist_process_group,
+        temperature=_rows.check_positive_temperature(temperature),
+        with_entropy=True,
+    )
+    return result.logprobs, result.entropy
+
+
+class FusedLinearForPPO(torch.nn.Module):
+    """verl's `FusedLinearForPPO`: forward(hidden_states (..., H), vocab_weights (V, H),
+    input_ids (...), temperature) -> (log_probs fp32, entropy in the hidden dtype), as
+    verl's torch backend returns them. `chunk_size` and `impl_backend` change no bit."""
+
+    def __init__(self, chunk_size: int = 512, impl_backend: str = "torch"):
+        super().__init__()
+        if impl_backend not in ("torch", "liger"):
+            raise ValueError(f"impl_backend must be 'torch' or 'liger', got {impl_backend!r}")
+        self.chunk_size = _rows.check_chunk_size(chunk_size)
+        self.impl_backend = impl_backend
+
+    def forward(self, hidden_states, vocab_weights, input_ids, temperature: float = 1.0):
+        shape = input_ids.shape
+        log_probs, entropy = linear_cross_entropy(
+            hidden_states, vocab_weights, input_ids, float(temperature)
+        )
+        return log_probs.view(shape), entropy.view(shape).to(hidden_states.dtype)
+
+
+# --- patching verl ---
+
+_ENGINES = (
+    ("verl.workers.engine.fsdp.transformer_impl", "FSDPEngineWithLMHead"),
+    ("verl.workers.engine.veomni.transformer_impl", "VeOmniEngineWithLMHead"),
+    ("verl.workers.engine.torchtitan.transformer_impl", "TorchTitanEngineWithLMHead"),
+    ("verl.workers.engine.automodel.transformer_impl", "AutomodelEngineWithLMHead"),
+)
+
+
+def patch_verl(*, vocab_size: int | None = None) -> _patching.PatchHandle:
+    """Make verl 0.9's engines compute log-probs and entropy with exactlogp.
+
+    Replaces, in verl and in every verl module that bound them by name:
+    - `verl.utils.torch_functional`: `logprobs_from_logits`, `logprobs_from_logits_v2`,
+      `entropy_from_logits`, `entropy_from_logits_with_chunking` (FSDP, VeOmni,
+      torchtitan and automodel engines, `core_algos`, prefix grouper, naive rollout);
+    - `verl.utils.megatron.tensor_parallel`: `vocab_parallel_log_probs_from_logits`,
+      `vocab_parallel_entropy`, `vocab_parallel_entropy_with_chunking` (Megatron engine;
+      needs megatron-core; `vocab_size` leaves Megatron's padding columns out);
+    - `use_fused_kernels=True`: `verl.utils.experimental.torch_functional.FusedLinearForPPO`
+      and `verl.utils.kernel.linear_cross_entropy.linear_cross_entropy` (with its copies in
+      `verl.models.mcore`).
+
+    Engines bind their entropy function (possibly `torch.compile`d) when they are built:
+    patch before building them. An engine built earlier is detected at its next
+    `prepare_model_outputs`, given exactlogp's function (compiled as its own was) and a
+    RuntimeWarning. Sites whose module does not import here (an engine whose own
+    dependencies are missing) are skipped and listed in `handle.skipped`.
+
+    Opt-in and idempotent; undo with `unpatch_verl()` or `handle.undo()`.
+    """
+    megatron = _megatron_functions(vocab_size)
+    sites = [
+        _patching.Site("verl.utils.torch_functional", name, fn, everywhere=True)
+        for name, fn in (
+            ("logprobs_from_logits", logprobs_from_logits),
+            ("logprobs_from_logits_v2", logprobs_from_logits_v2),
+            ("entropy_from_logits", entropy_from_logits),
+            ("entropy_from_logits_with_chunking", entropy_from_logits_with_chunking),
+        )
+    ]
+    sites += [
+        _patching.Site("verl.utils.experimental.torch_functional", "FusedLinearForPPO",
+                       FusedLinearForPPO, everywhere=True),
+        _patching.Site("verl.utils.kernel.linear_cross_entropy", "linear_cross_entropy",
+                       linear_cross_entropy, everywhere=True),
+    ]  # fmt: skip
+    sites += [
+        _patching.Site(
+            "verl.utils.megatron.tensor_parallel", name, fn, optional=True, everywhere=True
+        )
+        for name, fn in megatron.items()
+    ]
+    sites += [
+        _patching.Site(
+            module, f"{cls}.prepare_model_outputs", _entropy_guard, wraps=True, optional=True
+        )
+        for module, cls in _ENGINES
+    ]
+    return _patching.apply(PATCH_KEY, sites, {"vocab_size": vocab_size})
+
+
+def unpatch_verl() -> bool:
+    """Restore verl's own functions; False if `patch_verl` was not applied."""
+    return _patching.undo(PATCH_KEY)
+
+
+def _megatron_functions(vocab_size) -> dict:
+    if vocab_size is None:
+        return {
+            "vocab_parallel_log_probs_from_logits": vocab_parallel_log_probs_from_logits,
+            "vocab_parallel_entropy": vocab_parallel_entropy,
+            "vocab_parallel_entropy_with_chunking": vocab_parallel_entropy_with_chunking,
+        }
+    _rows_vocab = int(vocab_size)
+    return {
+        name: functools.wraps(fn)(functools.partial(fn, vocab_size=_rows_vocab))
+        for name, fn in (
+            ("vocab_parallel_log_probs_from_logits", vocab_parallel_log_probs_from_logits),
+            ("vocab_parallel_entropy", vocab_parallel_entropy),
+            ("vocab_parallel_entropy_with_chunking", vocab_parallel_entropy_with_chunking),
+        )
+    }
+
+
+def _entropy_guard(original):
+    @functools.wraps(original)
+    def prepare_model_outputs(self, *args, **kwargs):
+        _rebind_entropy(self)
+        return original(self, *args, **kwargs)
+
+    return prepare_model_outputs
+
+
+def _rebind_entropy(engine) -> None:
+    bound = engine.__dict__.get("compute_entropy_from_logits")
+    handle = _patching.active(PATCH_KEY)
+    if bound is None or handle is None:
+        return
+    base = getattr(bound, "_torchdynamo_orig_callable", bound)
+    plain = handle.original("verl.utils.torch_functional.entropy_from_logits")
+    chunked = handle.original("verl.utils.torch_functional.entropy_from_logits_with_chunking")
+    if base is not plain and base is not chunked:
+        return  # exactlogp's already, or the user's own
+    ours = entropy_from_logits_with_chunking if base is chunked else entropy_from_logits
+    engine.compute_entropy_from_logits = (
+        torch.compile(ours, dynamic=True) if base is not bound else ours
+    )
+    warnings.warn(
+        f"{type(engine).__name__} was built before patch_verl(): its entropy function was "
+        "verl's own and is now exactlogp's; call patch_verl() before building engines",
+        RuntimeWarning,
+        stacklevel=3,
     )

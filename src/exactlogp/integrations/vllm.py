@@ -1,13 +1,15 @@
-"""Rollout side: the sampled tokens' logprobs from vLLM's logits, with the trainer's bits.
+"""Rollout side: vLLM's logprobs with the trainer's bits.
+
+`patch_vllm_sampler()` makes vLLM compute every logprob it returns with exactlogp (V2
+model runner: `compute_token_logprobs`, vLLM 0.25-0.34; V1 runner: the sampler's
+sampled-token logprob, vLLM <= 0.33); `vllm_plugin` applies it in vLLM's worker
+processes when EXACTLOGP_PATCH names `vllm`.
 
 `rollout_logprobs` takes the logits vLLM's sampler sees (gathered, or still split over
-vLLM's tensor-parallel group) and gives, per sampled token, either vLLM's "raw" logprob
-(log softmax of the logits) or its "processed" one (after temperature and the top-k /
+vLLM's tensor-parallel group) and gives, per sampled token, vLLM's "raw" logprob (log
+softmax of the logits) or its "processed" one (after temperature, min-p and the top-k /
 top-p cut). A trainer that calls exactlogp on the same logits with the same temperature
 and keep-mask gets the same bits at any TP degree.
-
-`patch_vllm_sampler()` makes vLLM's v1 `Sampler` report these values as the logprob of the
-sampled token (column 0 of `SamplerOutput.logprobs_tensors.logprobs`).
 
 Padding: vLLM pads its LM head to a multiple of 64 and Megatron to a multiple of
 128 * TP; pass `vocab_size` (the real vocabulary) and padding never counts.
@@ -40,6 +42,7 @@ def rollout_logprobs(
     temperature: float | torch.Tensor = 1.0,
     top_k: int | torch.Tensor | None = None,
     top_p: float | torch.Tensor | None = None,
+    min_p: float | torch.Tensor | None = None,
     keep_mask: torch.Tensor | None = None,
     vocab_size: int | None = None,
     tp_group=None,
@@ -58,6 +61,7 @@ def rollout_logprobs(
             scored at 1.0, as vLLM's sampler does. Defaults to the raw logprobs.
         top_k: int or (N,) ints in [1, vocab]; vocab (or more) means no cut.
         top_p: float or (N,) in (0, 1]; 1.0 means no cut.
+        min_p: float or (N,) in [0, 1]; 0 means no cut.
         keep_mask: (N, V_cols) bool of columns still allowed (e.g. by other processors);
             combined with the top-k / top-p mask.
         vocab_size: the real vocabulary; padding columns never count.
@@ -69,13 +73,14 @@ def rollout_logprobs(
     if not isinstance(logits, torch.Tensor) or logits.dim() != 2:
         raise ValueError(f"logits must be a 2-D (N, V) tensor, got {_describe(logits)}")
     tau = _per_row_temperature(temperature, logits)
-    if top_k is not None or top_p is not None:
+    if top_k is not None or top_p is not None or min_p is not None:
         if tp_group is not None:
             raise ValueError(
-                "top_k / top_p need whole rows: pass the gathered logits (tp_group=None), "
+                "top_k / top_p / min_p need whole rows: pass the gathered logits (tp_group=None), "
                 "or build the keep_mask from them and pass it with each shard"
             )
-        cut = _pad_columns(vllm_keep_mask(_scaled(logits, tau, vocab_size), top_k, top_p), logits)
+        scaled = _scaled(logits, tau, vocab_size)
+        cut = _pad_columns(vllm_keep_mask(scaled, top_k, top_p, min_p), logits)
         keep_mask = cut if keep_mask is None else keep_mask & cut
     return selected_logprobs(
         logits,
@@ -94,11 +99,13 @@ def vllm_keep_mask(
     scaled_logits: torch.Tensor,
     top_k: int | torch.Tensor | None = None,
     top_p: float | torch.Tensor | None = None,
+    min_p: float | torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """(N, V) bool: the columns vLLM's sampler keeps after its top-k and top-p cut.
+    """(N, V) bool: the columns vLLM's sampler keeps after its min-p, top-k and top-p cuts.
 
     `scaled_logits` are the fp32 logits after temperature (real vocabulary only). The
-    steps are those of vLLM's PyTorch sampler path: top-k keeps every value >= the k-th
+    steps are those of vLLM's sampler, in its order: min-p keeps every value >=
+    max + log(min_p) (0 means no cut); then, on its PyTorch path, top-k keeps every value >= the k-th
     largest; top-p sorts ascending, takes the fp32 softmax and its running sum, drops the
     columns whose running sum is <= 1 - p and always keeps the largest. Top-p reads float
     rounding, so the trainer should reuse this mask rather than rebuild it.
@@ -108,6 +115,13 @@ def vllm_keep_mask(
     y = scaled_logits.to(torch.float32)
     num_rows, vocab = y.shape
     keep = torch.ones_like(y, dtype=torch.bool)
+    if min_p is not None:
+        mp = _per_row("min_p", min_p, num_rows, y.device, torch.float32, -1.0, 1.0)
+        if bool((mp < 0).any()):
+            raise ValueError(f"min_p must be in [0, 1], got {min_p!r}")
+        threshold = y.max(dim=-1, keepdim=True).values + torch.log(mp).unsqueeze(-1)
+        keep &= (y >= threshold) | (mp == 0).unsqueeze(-1)
+        y = torch.where(keep, y, float("-inf"))
     if top_k is not None:
         k = _per_row("top_k", top_k, num_rows, y.device, torch.int64, 1, None).clamp(max=vocab)
         kth = torch.sort(y, dim=-1, descending=True).values.gather(-1, (k - 1).unsqueeze(-1))
@@ -130,32 +144,147 @@ def shard_keep_mask(keep_mask: torch.Tensor, vocab_start: int, num_cols: int) ->
     return out
 
 
-# --- vLLM's v1 sampler ---
+# --- patching vLLM ---
 
-_SAMPLER_MODULE = "vllm.v1.sample.sampler"
+_V2_LOGPROB = "vllm.v1.worker.gpu.sample.logprob"  # the V2 model runner (0.25+; only one in 0.34)
+_V1_SAMPLER = "vllm.v1.sample.sampler"  # the V1 model runner (0.25-0.33 still ship it)
 _EXACT_MODES = ("raw_logprobs", "processed_logprobs")
+EXACT_COLUMNS = 32  # logprob columns per token computed exactly; past that, column 0 only
 
 
 def patch_vllm_sampler() -> _patching.PatchHandle:
-    """Make vLLM's v1 `Sampler` report exactlogp's logprob for each sampled token.
+    """Make vLLM report exactlogp's logprobs, in this process.
 
-    vLLM puts the sampled token's logprob in column 0 of
-    `SamplerOutput.logprobs_tensors.logprobs`; the patched `Sampler.forward` overwrites
-    it (and any top-k column holding the same token) when a batch asks for logprobs
-    (`max_num_logprobs` >= 0) under the sampler's "raw_logprobs" or "processed_logprobs"
-    mode. The other tokens' top-k values stay vLLM's. "processed_logprobs" reproduces temperature, top-k and
-    top-p; a batch that also uses penalties, bad words or an allowed-token mask raises,
-    and min-p, logit-bias or custom logits processors must be off.
+    V2 model runner (vLLM 0.25+, the only runner from 0.34): replaces
+    `vllm.v1.worker.gpu.sample.logprob.compute_token_logprobs`, which every logprob vLLM
+    returns goes through (the sampler, the spec-decode rejection sampler, top-k columns),
+    plus its by-name copy in `...sample.prompt_logprob` and the CPU runner's
+    `vllm.v1.worker.cpu.logprob.compute_token_logprobs`. Whatever logits vLLM hands it are
+    scored as they are: "raw_logprobs" the model's logits (after the grammar mask),
+    "processed_logprobs" the logits after logit bias, penalties, bad words, custom
+    processors, temperature (fp32 division), min-p and top-k / top-p (cut tokens -inf,
+    i.e. dropped: the renormalisation over the surviving tokens is `keep_mask`). The
+    `*_logits` modes are logits, not logprobs, and stay vLLM's. Columns past
+    EXACT_COLUMNS (requests asking for more top logprobs) keep vLLM's values except the
+    sampled token's (column 0).
 
-    Opt-in and idempotent; undo with `unpatch_vllm_sampler()` or `handle.undo()`.
+    V1 model runner (vLLM <= 0.33): wraps `vllm.v1.sample.sampler.Sampler.forward` (the
+    sampled token's logprob; processed mode reproduces temperature, top-k and top-p and
+    raises for penalties, bad words and allowed-token masks).
+
+    Raises RuntimeError naming the vLLM version and the reason when the patch could not
+    take effect (no known sampler, or a `compute_topk_scores` that no longer calls
+    `compute_token_logprobs`), ImportError without vLLM. Applies to this process only:
+    vLLM samples in its engine-core / worker processes, so use the plugin
+    (`EXACTLOGP_PATCH=vllm`, see `vllm_plugin`). Idempotent; undo with
+    `unpatch_vllm_sampler()`.
     """
-    site = _patching.Site(_SAMPLER_MODULE, "Sampler.forward", _exact_forward, wraps=True)
-    return _patching.apply(PATCH_KEY, [site])
+    version = vllm_version()
+    sites = []
+    v2 = _module(_V2_LOGPROB)
+    if v2 is not None:
+        _check_v2_takes_effect(v2, version)
+        sites += [
+            _patching.Site(_V2_LOGPROB, "compute_token_logprobs", _exact_token_logprobs, wraps=True),
+            _patching.Site("vllm.v1.worker.gpu.sample.prompt_logprob", "compute_token_logprobs",
+                           _exact_token_logprobs, wraps=True, optional=True),
+            _patching.Site("vllm.v1.worker.cpu.logprob", "compute_token_logprobs",
+                           _exact_token_logprobs, wraps=True, optional=True),
+        ]  # fmt: skip
+    if _module(_V1_SAMPLER) is not None:
+        sites.append(_patching.Site(_V1_SAMPLER, "Sampler.forward", _exact_forward, wraps=True))
+    if not sites:
+        raise RuntimeError(
+            f"patch_vllm_sampler: vLLM {version} has neither the V2 model runner's "
+            f"{_V2_LOGPROB} nor the V1 {_V1_SAMPLER}; exactlogp knows vLLM 0.25 to 0.34, "
+            "so nothing was patched"
+        )
+    return _patching.apply(PATCH_KEY, sites)
 
 
 def unpatch_vllm_sampler() -> bool:
-    """Restore vLLM's own `Sampler.forward`; False if it was not patched."""
+    """Restore vLLM's own functions; False if they were not patched."""
     return _patching.undo(PATCH_KEY)
+
+
+def vllm_plugin() -> None:
+    """vLLM `general_plugins` entry point (registered as `exactlogp`): vLLM calls it in
+    its front-end, engine-core and every worker process. It applies
+    `patch_vllm_sampler()` when the environment variable EXACTLOGP_PATCH names `vllm`
+    (e.g. EXACTLOGP_PATCH=vllm), and does nothing otherwise."""
+    from .autopatch import requested
+
+    if "vllm" in requested():
+        patch_vllm_sampler()
+
+
+def vllm_version() -> str:
+    try:
+        import vllm
+    except ImportError as exc:
+        raise ImportError(
+            f"patch_vllm_sampler: cannot import vllm ({exc}); nothing was patched"
+        ) from exc
+    version = getattr(vllm, "__version__", None)
+    if version is None:
+        from importlib.metadata import PackageNotFoundError
+        from importlib.metadata import version as dist_version
+
+        try:
+            version = dist_version("vllm")
+        except PackageNotFoundError:
+            version = "of unknown version"
+    return str(version)
+
+
+def _module(name: str):
+    import importlib
+
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        return None
+
+
+def _check_v2_takes_effect(module, version: str) -> None:
+    """compute_topk_scores must look compute_token_logprobs up as a module global."""
+    scorer = getattr(module, "compute_topk_scores", None) or getattr(
+        module, "compute_topk_logprobs", None
+    )
+    code = getattr(scorer, "__code__", None)
+    if code is None or "compute_token_logprobs" not in code.co_names:
+        raise RuntimeError(
+            f"patch_vllm_sampler: vLLM {version}'s {module.__name__} does not route its "
+            "logprobs through compute_token_logprobs (compute_topk_scores no longer calls "
+            "it), so replacing it would not take effect; nothing was patched"
+        )
+
+
+def _exact_token_logprobs(original):
+    @functools.wraps(original)
+    def compute_token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+        return token_logprobs(logits, token_ids, fallback=original)
+
+    return compute_token_logprobs
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, fallback=None) -> torch.Tensor:
+    """(B, K) fp32 exactlogp logprobs of `token_ids` (B, K) under softmax(logits) (B, V),
+    vLLM's `compute_token_logprobs` contract: -inf logits are dropped columns, ids
+    outside [0, V) give -inf, a row with a NaN or +inf logit gives NaN (no host sync).
+    Past EXACT_COLUMNS columns, columns 1.. come from `fallback` when given."""
+    ids = token_ids.to(torch.int64)
+    num_cols = ids.shape[-1]
+    out = torch.empty(ids.shape, dtype=torch.float32, device=logits.device)
+    exact = num_cols if fallback is None or num_cols <= EXACT_COLUMNS else 1
+    if exact < num_cols:
+        out.copy_(fallback(logits, token_ids))
+    valid = (ids >= 0) & (ids < logits.shape[-1])
+    for k in range(exact):
+        target = torch.where(valid[:, k], ids[:, k], -100)
+        out[:, k] = selected_logprobs(logits, target, validate=False).logprobs
+    out[:, :exact].masked_fill_(~valid[:, :exact], float("-inf"))
+    return out
 
 
 def sampled_logprobs(

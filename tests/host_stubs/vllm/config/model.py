@@ -1,0 +1,1 @@
+PROCESSED_LOGPROBS_MODES = ("processed_logits", "processed_logprobs")
