@@ -62,13 +62,19 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"comma-separated (default: {','.join(DEFAULT_CANDIDATES)})",
     )
     opt("--out", help=f"report JSON; the Markdown summary goes next to it (default {d.out})")
-    opt("--preset", choices=sorted(PRESETS), help="quick: a small workload for CI (< 1 min)")
+    opt("--preset", choices=sorted(PRESETS), help="quick: small workloads for CI (a few minutes)")
     opt("--device", choices=("auto", "cpu", "cuda"), help="default auto: CUDA if available")
     opt(
         "--check-rows",
         type=int,
         dest="check_rows",
         help=f"rows of the batch and setting checks (default {d.check_rows})",
+    )
+    opt(
+        "--hidden-check-rows",
+        type=int,
+        dest="hidden_check_rows",
+        help=f"check rows of the hidden-state workload (default {d.hidden_check_rows})",
     )
     opt(
         "--timeout",

@@ -60,7 +60,7 @@ class Session:
         spec = workload.Workload(opts.tokens, opts.vocab, opts.dtype, opts.seed)
         task = display.start(f"shared logits {opts.tokens} x {opts.vocab} {opts.dtype}", 2)
         logits, target = workload.generate(spec)
-        self._save(tmp, "logits", spec, dict(logits=logits, target=target))
+        self._save(tmp, "logits", spec, opts.check_rows, dict(logits=logits, target=target))
         display.advance(task, 1, "fp64 reference")
         if reference:
             self.data["logits"].reference = workload.reference_logprobs(logits, target)
@@ -76,7 +76,8 @@ class Session:
             2,
         )
         hidden, weight, target = workload.generate_hidden(spec)
-        self._save(tmp, "hidden_states", spec, dict(hidden=hidden, weight=weight, target=target))
+        tensors = dict(hidden=hidden, weight=weight, target=target)
+        self._save(tmp, "hidden_states", spec, opts.hidden_check_rows, tensors)
         display.advance(task, 1, "fp64 GEMM + log-softmax reference")
         if reference:
             self.data["hidden_states"].reference = workload.reference_hidden_logprobs(
@@ -84,10 +85,10 @@ class Session:
             )
         display.finish(task, "ready")
 
-    def _save(self, tmp: str, kind: str, spec, tensors: dict) -> None:
+    def _save(self, tmp: str, kind: str, spec, check_rows: int, tensors: dict) -> None:
         path = os.path.join(tmp, f"{kind}.pt")
         workload.save(path, **tensors)
-        rows, extra = workload.check_rows(spec.tokens, self.opts.check_rows, spec.seed)
+        rows, extra = workload.check_rows(spec.tokens, check_rows, spec.seed)
         saved = workload.Saved(kind, path, spec.vocab, tuple(rows), tuple(extra))
         self.data[kind] = Prepared(spec, saved, tensors)
 
