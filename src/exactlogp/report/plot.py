@@ -34,7 +34,7 @@ def write_fused_plot(report: dict, path: str) -> bool:
     for i, tp in enumerate(tps):
         ys = [y + (i - (len(tps) - 1) / 2) * height for y in range(len(names))]
         bars = lat.barh(ys, [0 if math.isnan(v) else v for v in ms[tp]], height, label=f"TP{tp}")
-        lat.bar_label(bars, ["" if math.isnan(v) else f"{v:.3g}" for v in ms[tp]], fontsize=7)
+        lat.bar_label(bars, [_ms_label(v) for v in ms[tp]], fontsize=7)
     _room_for_labels(lat, [v for values in ms.values() for v in values])
     lat.set_xlabel("median latency, ms (log scale)")
     lat.legend(fontsize=8)
@@ -61,6 +61,10 @@ def _room_for_labels(ax, values: list[float]) -> None:
     positive = [v for v in values if v > 0]  # nan compares False
     if positive:
         ax.set_xlim(min(positive) / 3, max(positive) * 4)
+
+
+def _ms_label(ms: float) -> str:
+    return "" if math.isnan(ms) else f"{ms:.0f}" if ms >= 100 else f"{ms:.3g}"
 
 
 def _median_ms(entry: dict, tp: int) -> float:
