@@ -31,9 +31,11 @@ lint: setup
 	$(VENV)/bin/ruff check src tests examples
 	$(VENV)/bin/ruff format --check src tests examples
 
-# The conformance report with its embedded default workload (the Qwen3-Next prior-art
-# one: 1024 tokens x 151936 vocab, bf16, TP 1 and 4, 10 repeats) -> reports/prior_art.json
-# and reports/prior_art.md. REPORT_ARGS="--preset quick" for a one-minute run.
+# The conformance report with its embedded default workloads (the Qwen3-Next prior-art
+# one: 1024 tokens x 151936 vocab, bf16, TP 1 and 4, 10 repeats; and for the fused LM-head
+# rows 128 x 256 hidden states with a 151936 x 256 head) -> reports/prior_art.json,
+# reports/prior_art.md and reports/prior_art_fused.png. REPORT_ARGS="--preset quick" for a
+# run of a few minutes.
 report: setup
 	$(VENV)/bin/exactlogp report $(REPORT_ARGS)
 

@@ -114,13 +114,28 @@ def test_parameters_make_the_variants_of_one_candidate():
     )  # fmt: skip
 
 
-def test_a_candidate_of_another_workload_kind_is_unavailable_with_the_reason():
-    class FusedHead(candidates.Candidate):
-        name = "fused_head"
-        kind = "hidden_states"
+def test_tp1_steps_give_logits_only_so_a_fused_lm_head_is_unavailable_there():
+    from exactlogp.report.tp1 import tp1_steps
 
-    with pytest.raises(candidates.Unavailable, match="takes hidden states"):
-        FusedHead().check_available(torch.device("cpu"))
+    logits, target = torch.zeros(2, 8), torch.zeros(2, dtype=torch.int64)
+    with tp1_steps(["exactlogp_linear"], logits, target, skip_unavailable=True) as (steps, why):
+        assert steps == {}
+    assert why == {
+        "exactlogp_linear": "exactlogp_linear takes hidden states and the LM-head weight "
+        "(fused LM-head candidates); TP1 steps give logits"
+    }
+
+
+def test_exactlogp_linear_takes_one_backend_parameter():
+    pinned = candidates.create("exactlogp_linear[reference]")
+    assert (pinned.name, pinned.backend, pinned.kind) == (
+        "exactlogp_linear[reference]", "reference", "hidden_states"
+    )  # fmt: skip
+    assert (
+        pinned.max_timed_runs == 3 and candidates.create("exactlogp_linear").max_timed_runs is None
+    )
+    with pytest.raises(ValueError, match="exactlogp_linear takes \\[BACKEND\\]"):
+        candidates.create("exactlogp_linear[cpu,entropy]")
 
 
 def test_a_log_gets_each_progress_line_once():

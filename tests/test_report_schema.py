@@ -35,6 +35,7 @@ def _measured() -> dict:
     return {
         "summary": "s",
         "implementation": "ours",
+        "workload": "logits",
         "tp_measured": [1, 4],
         "tp4_equals_tp1": True,
         "tp_equals_tp1": {"4": True},
@@ -97,8 +98,30 @@ def _report() -> dict:
     }
 
 
+def _with_hidden_states(report: dict) -> dict:
+    report["hidden_states"] = {
+        "tokens": 128,
+        "hidden": 256,
+        "vocab": 151936,
+        "dtype": "bf16",
+        "workload": {"generator": "g", "seed": 0, "distribution": "d"},
+        "reference": {"name": "lm_head_fp64", "method": "m"},
+        "check_rows": [1, 2],
+        "extra_rows": [3, 4],
+    }
+    fused = {**_measured(), "workload": "hidden_states", "reference": "lm_head_fp64"}
+    report["candidates"]["exactlogp_linear"] = fused
+    report["candidates"]["verl_fused"] = {
+        **fused,
+        "implementation": "re-implementation",
+        "tp_equals_tp1": {"4": False},
+    }
+    return report
+
+
 def test_a_complete_report_validates():
     schema.validate(_report())
+    schema.validate(_with_hidden_states(_report()))
 
 
 def test_the_seed_keys_are_all_there():
@@ -118,10 +141,16 @@ def test_the_seed_keys_are_all_there():
         lambda r: r["candidates"].update(empty={}),
         lambda r: r.update(collective_backend="mpi"),
         lambda r: r["candidates"]["exactlogp"]["batch_mismatched_rows"]["1"].pop("alone"),
+        lambda r: r["candidates"]["exactlogp"].pop("workload"),
+        lambda r: r["candidates"]["exactlogp_linear"].update(workload="tokens"),
+        lambda r: r["candidates"]["exactlogp_linear"].update(reference="fp64"),
+        lambda r: r["hidden_states"].pop("hidden"),
+        lambda r: r["hidden_states"]["reference"].update(name="shared_logits_fp64"),
+        lambda r: r["hidden_states"].update(surprise=1),
     ],
 )
 def test_malformed_reports_are_rejected(mutate):
-    report = copy.deepcopy(_report())
+    report = _with_hidden_states(copy.deepcopy(_report()))
     mutate(report)
     with pytest.raises(jsonschema.ValidationError):
         schema.validate(report)
@@ -151,6 +180,16 @@ def test_exactlogp_failures_name_each_broken_invariance():
         "tp_equals_tp1": {"4": False},
     }
     assert checks.exactlogp_failures(peers) == []
+    # the exact LM head's rows are ours too
+    fused = _with_hidden_states(_report())["candidates"]
+    assert checks.exactlogp_failures(fused) == []
+    fused["exactlogp_linear"].update(batch_bitwise=False)
+    fused["exactlogp_linear[reference]"] = {**fused["exactlogp_linear"], "batch_bitwise": True}
+    fused["exactlogp_linear[reference]"]["bitwise_equal_to_exactlogp"] = False
+    assert checks.exactlogp_failures(fused) == [
+        "exactlogp_linear: batch_bitwise is false",
+        "exactlogp_linear[reference]: differs from the auto backend",
+    ]
 
 
 def test_latency_percentiles():
@@ -172,3 +211,36 @@ def test_the_console_table_keeps_backend_names_in_brackets():
     console = Console(record=True, width=400, file=io.StringIO())
     console.print(display.table(report))
     assert "exactlogp[reference]" in console.export_text()
+
+
+def test_each_workload_gets_its_own_table_and_findings():
+    from exactlogp.report import display
+
+    report = _with_hidden_states(_report())
+    assert display.workloads(report) == ["logits", "hidden_states"]
+    assert [r[0] for r in display.rows(report)] == ["exactlogp", "miles_fused"]
+    assert [r[0] for r in display.rows(report, "hidden_states")] == [
+        "exactlogp_linear", "verl_fused"
+    ]  # fmt: skip
+    prefix = "- invariant on every axis measured (TP, settings, batch, repeats): "
+    assert display.findings(report)[0] == prefix + "exactlogp"
+    assert display.findings(report, "hidden_states")[0] == prefix + "exactlogp_linear"
+    assert display.table(report, "hidden_states").row_count == 2
+
+
+def test_the_fused_plot_is_a_png_of_the_hidden_state_rows(tmp_path):
+    pytest.importorskip("matplotlib")
+    from exactlogp.report import plot
+
+    report = _with_hidden_states(_report())
+    report["candidates"]["torch_linear"] = {
+        **report["candidates"]["verl_fused"],
+        "tp_measured": [1],
+        "latency_us": {"1": report["candidates"]["verl_fused"]["latency_us"]["1"]},
+    }
+    assert list(plot.fused_rows(report)) == ["exactlogp_linear", "verl_fused", "torch_linear"]
+    path = tmp_path / "r_fused.png"
+    assert plot.write_fused_plot(report, str(path))
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not plot.write_fused_plot(_report(), str(tmp_path / "none.png"))
+    assert not (tmp_path / "none.png").exists()

@@ -41,6 +41,18 @@ def build_parser() -> argparse.ArgumentParser:
     opt = rep.add_argument
     opt("--tokens", type=int, help=f"rows of logits (default {d.tokens})")
     opt("--vocab", type=int, help=f"vocabulary size (default {d.vocab})")
+    opt(
+        "--hidden-tokens",
+        type=int,
+        dest="hidden_tokens",
+        help=f"rows of the hidden-state (fused LM-head) workload (default {d.hidden_tokens})",
+    )
+    opt(
+        "--hidden-size",
+        type=int,
+        dest="hidden_size",
+        help=f"H of the hidden-state workload; Qwen3-Next's is 2048 (default {d.hidden_size})",
+    )
     opt("--tp", type=_int_list, help=f"TP degrees, e.g. 1,4 (default {','.join(map(str, d.tp))})")
     opt("--repeats", type=int, help=f"timed runs, also the repeats compared (default {d.repeats})")
     opt("--dtype", choices=("bf16", "fp16", "fp32"), help=f"logits dtype (default {d.dtype})")
@@ -50,13 +62,19 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"comma-separated (default: {','.join(DEFAULT_CANDIDATES)})",
     )
     opt("--out", help=f"report JSON; the Markdown summary goes next to it (default {d.out})")
-    opt("--preset", choices=sorted(PRESETS), help="quick: a small workload for CI (< 1 min)")
+    opt("--preset", choices=sorted(PRESETS), help="quick: small workloads for CI (a few minutes)")
     opt("--device", choices=("auto", "cpu", "cuda"), help="default auto: CUDA if available")
     opt(
         "--check-rows",
         type=int,
         dest="check_rows",
         help=f"rows of the batch and setting checks (default {d.check_rows})",
+    )
+    opt(
+        "--hidden-check-rows",
+        type=int,
+        dest="hidden_check_rows",
+        help=f"check rows of the hidden-state workload (default {d.hidden_check_rows})",
     )
     opt(
         "--timeout",
@@ -125,8 +143,7 @@ def _report(args: argparse.Namespace, argv: list[str]) -> int:
         return 2
     if report is None:  # a torchrun rank other than 0
         return status
-    json_path, md_path = _write(report, opts.out)
-    display.print_summary(Console(), report, json_path, md_path)
+    display.print_summary(Console(), report, _write(report, opts.out, err))
     if status:
         from .report.checks import exactlogp_failures
 
@@ -135,17 +152,27 @@ def _report(args: argparse.Namespace, argv: list[str]) -> int:
     return status
 
 
-def _write(report: dict, out: str) -> tuple[str, str]:
+def _write(report: dict, out: str, err) -> list[str]:
+    """The JSON at `out`; next to it the fused LM-head plot (<stem>_fused.png, where the
+    report has such rows and matplotlib imports) and the Markdown summary (<stem>.md)."""
     from .report.display import markdown
 
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out, "w") as f:
         json.dump(report, f, indent=2)
         f.write("\n")
-    md_path = os.path.splitext(out)[0] + ".md"
-    with open(md_path, "w") as f:
-        f.write(markdown(report))
-    return out, md_path
+    stem = os.path.splitext(out)[0]
+    written, plot = [out], None
+    try:
+        from .report.plot import write_fused_plot
+
+        if write_fused_plot(report, stem + "_fused.png"):
+            written.append(plot := stem + "_fused.png")
+    except ImportError as exc:  # matplotlib is in the report extra
+        err.print(f"exactlogp report: no plot ({exc})")
+    with open(stem + ".md", "w") as f:
+        f.write(markdown(report, os.path.basename(plot) if plot else None))
+    return [*written, stem + ".md"]
 
 
 if __name__ == "__main__":

@@ -259,7 +259,14 @@ def scaled_full_logits(logits, temperature=1.0, keep_mask=None, vocab_size=None)
 
 def fp64_reference(logits, target, temperature=1.0, keep_mask=None, vocab_size=None):
     """Independent fp64 ground truth for full (unsharded) 2-D logits."""
-    y = scaled_full_logits(logits, temperature, keep_mask, vocab_size)
+    return fp64_softmax_reference(
+        scaled_full_logits(logits, temperature, keep_mask, vocab_size), target
+    )
+
+
+def fp64_softmax_reference(y: torch.Tensor, target: torch.Tensor) -> Fp64Reference:
+    """fp64_reference of (N, V) fp64 values y taken as they are (-inf: invalid columns),
+    e.g. an fp64 GEMM's logits, with no rounding to fp32 first."""
     m, arg = y.max(dim=-1, keepdim=True)
     d = y - m
     e = torch.exp(d)

@@ -20,9 +20,16 @@ def assemble(s: Session) -> dict:
     infos = {name: candidates.create(name) for name in s.runnable}
     entries = dict(s.entries)
     for name, cand in infos.items():
-        entries[name] = checks.candidate_entry(cand.describe(), s.results[name], s.reference)
+        kind = s.kinds[name]
+        entries[name] = {
+            **checks.candidate_entry(
+                cand.describe(), s.results[name], s.data[kind].reference, checks.REFERENCES[kind]
+            ),
+            "workload": kind,
+        }
     _cross_candidate(entries, s, infos)
     opts = s.opts
+    logits = s.data["logits"]
     commit, dirty = environment.project_git_state()
     report = {
         "kind": KIND,
@@ -46,11 +53,11 @@ def assemble(s: Session) -> dict:
         "nccl_settings": [setting.as_dict() for setting in s.settings],
         "nccl_settings_emulated": s.backend == "gloo",
         "workload": {
-            **s.workload.describe(),
-            **workload.summary(s.logits, s.target, s.reference),
+            **logits.spec.describe(),
+            **workload.summary(logits.reference, **logits.inputs),
         },
         "reference": {
-            "name": checks.REFERENCE_NAME,
+            "name": checks.REFERENCES["logits"],
             "method": "exactlogp.testing.fp64_reference: fp64 max, exp and sum, log1p of the "
             "non-argmax terms so logprobs near 0 keep full relative precision",
         },
@@ -58,21 +65,48 @@ def assemble(s: Session) -> dict:
         "candidates": {name: entries[name] for name in s.rows},  # the requested order
         "wall_s": time.monotonic() - s.start,
     }
+    if "hidden_states" in s.data:
+        report["hidden_states"] = _hidden_states(s.data["hidden_states"])
     schema.validate(report)
     return report
 
 
+def _hidden_states(data) -> dict:
+    """The hidden-state workload's header: its shape, generator, truth and check rows."""
+    spec = data.spec
+    return {
+        "tokens": spec.tokens,
+        "hidden": spec.hidden,
+        "vocab": spec.vocab,
+        "dtype": spec.dtype,
+        "workload": {**spec.describe(), **workload.summary(data.reference, **data.inputs)},
+        "reference": {
+            "name": checks.REFERENCES["hidden_states"],
+            "method": "fp64 GEMM of the same rounded hidden states and weight (every product "
+            "exact, the sum's relative error ~H 2^-53), then exactlogp.testing."
+            "fp64_softmax_reference: the fp64 log-softmax of exactlogp.testing.fp64_reference",
+        },
+        "check_rows": list(data.saved.check_rows),
+        "extra_rows": list(data.saved.extra_rows),
+    }
+
+
 def _cross_candidate(entries: dict, s: Session, infos: dict) -> None:
+    """Pairwise differences among the candidates of one workload; the pinned-backend rows
+    of our candidates against their auto-backend row."""
     outs = {n: {tp: r["out"] for tp, r in s.results[n].items() if "error" not in r} for n in infos}
-    pairwise = checks.pairwise_max_abs(outs)
+    for kind in set(s.kinds[n] for n in infos):
+        same = {n: o for n, o in outs.items() if s.kinds[n] == kind}
+        for name, diffs in checks.pairwise_max_abs(same).items():
+            entries[name]["max_abs_vs"] = diffs
     for name in infos:
-        entries[name]["max_abs_vs"] = pairwise[name]
-        if name.startswith("exactlogp[") and "exactlogp" in outs:
-            common = set(outs[name]) & set(outs["exactlogp"])
-            same = [checks.bits_equal(outs[name][t], outs["exactlogp"][t]) for t in common]
+        base = name.split("[", 1)[0]
+        if base in checks.OURS and name != base and base in outs:
+            common = set(outs[name]) & set(outs[base])
+            same = [checks.bits_equal(outs[name][t], outs[base][t]) for t in common]
             entries[name]["bitwise_equal_to_exactlogp"] = all(same) if same else None
-    if "exactlogp" in infos:
-        entries["exactlogp"]["backend_resolved"] = infos["exactlogp"].resolved_backend(s.device)
+        if name in checks.OURS:
+            entries[name]["backend_resolved"] = infos[name].resolved_backend(s.device)
 
 
 def _third_party(cands) -> list[dict]:
@@ -88,8 +122,9 @@ def _method(s: Session) -> dict:
     return {
         "warmup_runs": 1,
         "timed_runs": opts.repeats,
-        "timed_runs_note": "exactlogp[BACKEND] rows (a pinned, non-auto backend) time at most "
-        f"{PINNED_TIMED_RUNS} runs; their purpose is the bitwise comparison with exactlogp",
+        "timed_runs_note": "exactlogp[BACKEND] and exactlogp_linear[BACKEND] rows (a pinned, "
+        f"non-auto backend) time at most {PINNED_TIMED_RUNS} runs; their purpose is the "
+        "bitwise comparison with the auto-backend row",
         "timing": "after the checks, in one world per TP degree: every candidate that passed "
         "them built side by side and warmed up once, then rounds in which each runs once on "
         "all rows, in an order shuffled per round (seeded); barrier before each run, the "
@@ -97,8 +132,8 @@ def _method(s: Session) -> dict:
         "runs",
         "repeats": "SHA-256 of the warm-up output (checks world) and of every timed run's "
         "output (timing world), all rows",
-        "check_rows": list(s.check_rows),
-        "extra_rows": list(s.extra_rows),
+        "check_rows": list(s.data["logits"].saved.check_rows),
+        "extra_rows": list(s.data["logits"].saved.extra_rows),
         "batch_bitwise": "on check_rows: each row alone, consecutive sub-batches of 1, 2, 3, 5, "
         "8, ... rows, the rows permuted, the rows shuffled among extra_rows; each bit for bit "
         "against the same rows of the full-batch warm-up output (a float all_reduce can add "
@@ -111,8 +146,12 @@ def _method(s: Session) -> dict:
             else "on check_rows: a fresh NCCL world per setting; all outputs bit for bit"
         ),
         "tp_equals_tp1": "all rows, bit for bit, each TP degree against TP1",
-        "accuracy": "all rows at every TP measured, against the fp64 reference; ulps are fp32 "
-        "ulps of the reference value",
+        "accuracy": "all rows at every TP measured, against the fp64 reference of the "
+        "candidate's workload; ulps are fp32 ulps of the reference value",
+        "workloads": "each candidate takes one workload (its entry's 'workload'): the shared "
+        "logits, or the shared hidden states and LM-head weight (the header's "
+        "'hidden_states', with its own check rows); candidates of both are measured side by "
+        "side in the same worlds",
         "peak_memory": "per rank, the warm-up run: CUDA allocator peak, or on CPU the "
         "resident-set peak (VmHWM, reset first) minus the resident set before",
         "worlds": "spawned per TP degree, candidates one after another, each with its own "

@@ -1,8 +1,8 @@
 """From the raw per-world measurements to the report's verdicts (same keys as the seed).
 
 Bitwise verdicts compare fp32 bit patterns (never a tolerance); accuracy is measured
-against the fp64 ground truth of the shared logits, in absolute terms and in fp32 ulps
-of the true value.
+against the fp64 ground truth of the candidate's workload (the shared logits, or the LM
+head of the shared hidden states), in absolute terms and in fp32 ulps of the true value.
 """
 
 from __future__ import annotations
@@ -12,7 +12,9 @@ import torch
 from ..testing import ulp32
 from .measure import Timing
 
-REFERENCE_NAME = "shared_logits_fp64"
+# the fp64 truth of each workload, by the name the report gives it
+REFERENCES = {"logits": "shared_logits_fp64", "hidden_states": "lm_head_fp64"}
+OURS = ("exactlogp", "exactlogp_linear")  # our rows; "NAME[BACKEND]" pins a backend
 
 
 def differing_rows(a: torch.Tensor, b: torch.Tensor) -> int:
@@ -37,11 +39,13 @@ def latency(times_s: list[float]) -> dict:
     return {"median": t.median, "p10": t.p10, "p90": t.p90, "runs": t.runs}
 
 
-def candidate_entry(info: dict, per_tp: dict[int, dict], reference: torch.Tensor) -> dict:
+def candidate_entry(
+    info: dict, per_tp: dict[int, dict], reference: torch.Tensor, reference_name: str
+) -> dict:
     """The report entry of one candidate from its worlds' results, keyed by TP degree.
 
     `per_tp[tp]` is the world's result or {"error": text}; `info` is what the candidate
-    says about itself.
+    says about itself; `reference` is the (N,) fp64 truth of its workload.
     """
     entry = dict(info)
     ok = {tp: r for tp, r in per_tp.items() if "error" not in r}
@@ -56,7 +60,7 @@ def candidate_entry(info: dict, per_tp: dict[int, dict], reference: torch.Tensor
     entry.update(_settings_verdict(ok))
     entry.update(_batch_verdict(ok))
     entry.update(_repeat_verdict(ok))
-    entry["reference"] = REFERENCE_NAME
+    entry["reference"] = reference_name
     entry.update(_accuracy(ok, reference))
     for tp, r in sorted(ok.items()):
         entry[f"latency_us_tp{tp}"] = latency(r["times_s"])["median"]
@@ -145,10 +149,11 @@ def pairwise_max_abs(outs: dict[str, dict[int, torch.Tensor]]) -> dict[str, dict
 
 
 def exactlogp_failures(entries: dict[str, dict]) -> list[str]:
-    """Every invariance (or run) exactlogp failed, as readable lines; [] when none."""
+    """Every invariance (or run) one of our rows (exactlogp, exactlogp_linear and their
+    pinned-backend rows) failed, as readable lines; [] when none."""
     failures = []
     for name, e in entries.items():
-        if not (name == "exactlogp" or name.startswith("exactlogp[")):
+        if name.split("[", 1)[0] not in OURS:
             continue
         if "unavailable" in e:
             failures.append(f"{name}: unavailable: {e['unavailable']}")

@@ -1,5 +1,6 @@
 """What the person running the report sees: a rich progress display while it runs, a
-table at the end, and the Markdown summary written next to the JSON."""
+table per workload at the end (the shared logits; the hidden states of the fused LM-head
+rows), and the Markdown summary written next to the JSON."""
 
 from __future__ import annotations
 
@@ -73,11 +74,19 @@ def _fmt(value, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
-def rows(report: dict) -> list[list[str]]:
-    """One row of strings per candidate, in the report's order."""
+def workload_of(entry: dict) -> str:
+    """The workload a report entry belongs to (a row unavailable before it was created has
+    none: it is listed with the logits rows)."""
+    return entry.get("workload", "logits")
+
+
+def rows(report: dict, workload: str = "logits") -> list[list[str]]:
+    """One row of strings per candidate of `workload`, in the report's order."""
     width = len(columns(report))
     out = []
     for name, e in report["candidates"].items():
+        if workload_of(e) != workload:
+            continue
         if "unavailable" in e:
             out.append([name, "unavailable: " + e["unavailable"]] + [""] * (width - 2))
             continue
@@ -102,23 +111,46 @@ def rows(report: dict) -> list[list[str]]:
     return out
 
 
-def table(report: dict) -> Table:
-    t = Table(title=escape(_title(report)))
+def table(report: dict, workload: str = "logits") -> Table:
+    t = Table(title=escape(_title(report, workload)))
     for col in columns(report):
         t.add_column(col)
-    for row in rows(report):
+    for row in rows(report, workload):
         t.add_row(*(escape(cell) for cell in row))
     return t
 
 
-def _title(report: dict) -> str:
+def workloads(report: dict) -> list[str]:
+    """The workloads the report has rows of, the logits first."""
+    kinds = {workload_of(e) for e in report["candidates"].values()}
+    return [k for k in ("logits", "hidden_states") if k in kinds]
+
+
+def _title(report: dict, workload: str = "logits") -> str:
+    if workload == "logits":
+        shape = f"{report['tokens']} x {report['vocab']} {report['dtype']}"
+    else:
+        hs = report["hidden_states"]
+        shape = (
+            f"hidden states {hs['tokens']} x {hs['hidden']}, LM head {hs['vocab']} x "
+            f"{hs['hidden']} {hs['dtype']}"
+        )
     return (
-        f"{report['tokens']} x {report['vocab']} {report['dtype']}, TP {report['tp']}, "
-        f"{report['collective_backend']}, {report['environment']['device']}"
+        f"{shape}, TP {report['tp']}, {report['collective_backend']}, "
+        f"{report['environment']['device']}"
     )
 
 
-def markdown(report: dict) -> str:
+def _table_lines(report: dict, workload: str) -> list[str]:
+    return [
+        "| " + " | ".join(columns(report)) + " |",
+        "|" + "---|" * len(columns(report)),
+        *("| " + " | ".join(r) + " |" for r in rows(report, workload)),
+    ]
+
+
+def markdown(report: dict, plot: str | None = None) -> str:
+    """The summary; `plot` is the file name of the fused LM-head plot next to it, if any."""
     env = report["environment"]
     lines = [
         "# exactlogp conformance report",
@@ -132,17 +164,42 @@ def markdown(report: dict) -> str:
         f"launcher {report['launcher']}; project commit {report['project_commit']}"
         + (" (tracked tree dirty)" if report["tracked_tree_dirty"] else ""),
         "",
-        "| " + " | ".join(columns(report)) + " |",
-        "|" + "---|" * len(columns(report)),
+        *_table_lines(report, "logits"),
     ]
-    lines += ["| " + " | ".join(r) + " |" for r in rows(report)]
     lines += ["", *findings(report), "", *_notes(report)]
+    if "hidden_states" in workloads(report):
+        lines += ["", *_hidden_section(report, plot)]
     return "\n".join(lines) + "\n"
 
 
-def findings(report: dict) -> list[str]:
-    """What the table says, in words: who is invariant on every axis, who is closest to fp64."""
-    measured = {n: e for n, e in report["candidates"].items() if "unavailable" not in e}
+def _hidden_section(report: dict, plot: str | None) -> list[str]:
+    hs = report["hidden_states"]
+    lines = [
+        "## Fused LM head: from hidden states",
+        "",
+        f"- workload: {hs['workload']['distribution']}",
+        f"- truth: {hs['reference']['method']}",
+        f"- {len(hs['check_rows'])} check rows of the batch and setting checks; the other "
+        "columns as above",
+        "",
+        *_table_lines(report, "hidden_states"),
+        "",
+        *findings(report, "hidden_states"),
+    ]
+    if plot:
+        lines += ["", f"![latency and error vs fp64 of the fused LM-head rows]({plot})"]
+    lines.append("")
+    lines += _candidate_notes(report, "hidden_states")
+    return lines
+
+
+def findings(report: dict, workload: str = "logits") -> list[str]:
+    """What a table says, in words: who is invariant on every axis, who is closest to fp64."""
+    measured = {
+        n: e
+        for n, e in report["candidates"].items()
+        if "unavailable" not in e and workload_of(e) == workload
+    }
     axes = ("nccl_setting_invariant", "batch_bitwise")
     invariant = [
         n
@@ -183,8 +240,14 @@ def _notes(report: dict) -> list[str]:
         f"- workers: {method['worlds']}; threads per rank by TP: "
         f"{report['environment']['threads_per_rank']}.",
     ]
+    return notes + _candidate_notes(report, "logits")
+
+
+def _candidate_notes(report: dict, workload: str) -> list[str]:
+    """What each measured candidate of `workload` runs, and its errors."""
+    notes = []
     for name, e in report["candidates"].items():
-        if "unavailable" in e:
+        if "unavailable" in e or workload_of(e) != workload:
             continue
         note = f"- {name}: {e['summary']}"
         if e.get("note"):
@@ -195,8 +258,9 @@ def _notes(report: dict) -> list[str]:
     return notes
 
 
-def print_summary(console: Console, report: dict, json_path: str, md_path: str) -> None:
+def print_summary(console: Console, report: dict, paths: list[str]) -> None:
     if not console.is_terminal:
         console.width = max(console.width, 180)  # a file or pipe gets the whole table
-    console.print(table(report))
-    console.print(f"wrote {json_path} and {md_path} in {report['wall_s']:.0f} s")
+    for workload in workloads(report):
+        console.print(table(report, workload))
+    console.print(f"wrote {', '.join(paths)} in {report['wall_s']:.0f} s")

@@ -1,6 +1,7 @@
 """What runs inside one torch.distributed world: the measurements of the candidates named
-in a Job, on this rank's shard of the shared logits; and `run_candidates`, which runs a
-job in spawned worlds with crash and hang isolation.
+in a Job, each on this rank's shard of the workload it takes (the shared logits, or the
+shared hidden states and LM-head weight); and `run_candidates`, which runs a job in
+spawned worlds with crash and hang isolation.
 
 A "checks" job, per candidate (all ranks issue the same calls, so collectives stay
 matched):
@@ -38,12 +39,9 @@ KINDS = ("checks", "timing", "settings")
 @dataclass(frozen=True)
 class Job:
     candidates: tuple[str, ...]
-    data_path: str
-    vocab: int
+    data: dict  # workload kind -> workload.Saved, for every kind the candidates take
     tp: int
     repeats: int
-    check_rows: tuple[int, ...]
-    extra_rows: tuple[int, ...]
     threads: int = 1
     kind: str = "checks"  # one of KINDS
     emulate: bool = False  # replay emulated reduction orders (gloo, tp > 1)
@@ -104,28 +102,37 @@ def _device(group) -> torch.device:
 
 
 class _Inputs:
-    """This rank's shard of the shared logits as a candidate pads them, and its context."""
+    """This rank's shard of the workload a candidate takes, as it pads the vocabulary, and
+    its context: (rows it maps to logprobs, target, ShardContext, the workload)."""
 
     def __init__(self, job: Job, rank: int, device: torch.device):
         self.job, self.rank, self.device = job, rank, device
-        self._shards: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._shards: dict[tuple[str, int], tuple] = {}
 
     def __call__(self, cand, group):
-        job = self.job
-        padded = cand.padded_vocab(job.vocab, job.tp)
+        job, data = self.job, self.job.data[cand.kind]
+        padded = cand.padded_vocab(data.vocab, job.tp)
         width = padded // job.tp
-        if width not in self._shards:
-            logits, target = workload.load_shard(job.data_path, self.rank * width, width, job.vocab)
-            self._shards[width] = (logits.to(self.device), target.to(self.device))
+        key = (cand.kind, width)
+        if key not in self._shards:
+            lo = self.rank * width
+            weight = None
+            if cand.kind == "logits":
+                x, target = workload.load_shard(data.path, lo, width, data.vocab)
+            else:
+                x, weight, target = workload.load_hidden_shard(data.path, lo, width, data.vocab)
+            moved = (t if t is None else t.to(self.device) for t in (x, target, weight))
+            self._shards[key] = tuple(moved)
+        x, target, weight = self._shards[key]
         ctx = candidates.ShardContext(
-            self.rank, job.tp, group, self.device, job.vocab, padded, self.rank * width
+            self.rank, job.tp, group, self.device, data.vocab, padded, self.rank * width, weight
         )
-        return (*self._shards[width], ctx)
+        return x, target, ctx, data
 
 
 def _logprobs_fn(cand, ctx):
     fn = cand.build(ctx)
-    return lambda logits, target: candidates.logprobs_of(fn(logits, target))
+    return lambda x, target: candidates.logprobs_of(fn(x, target))
 
 
 def _check(name, job: Job, group, inputs: _Inputs, report) -> dict:
@@ -137,31 +144,32 @@ def _check(name, job: Job, group, inputs: _Inputs, report) -> dict:
         cand.check_available(inputs.device)
     except candidates.Unavailable as exc:
         return {"unavailable": str(exc)}
-    logits, target, ctx = inputs(cand, group)
+    x, target, ctx, data = inputs(cand, group)
     done = [0]
 
     def step(what: str) -> None:
         done[0] += 1
         report(name, done[0], what)
 
-    rows = torch.tensor(job.check_rows, dtype=torch.int64, device=inputs.device)
+    rows = torch.tensor(data.check_rows, dtype=torch.int64, device=inputs.device)
     try:
         fn = _logprobs_fn(cand, ctx)
         step("built")
         with torch.no_grad():
             if job.kind == "settings":
-                out = fn(logits[rows], target[rows])
+                out = fn(x[rows], target[rows])
                 step("settings run")
                 return {"check_rows_out": out.cpu()}
-            result = _warm_up(fn, logits, target, group, inputs.device)
+            result = _warm_up(fn, x, target, group, inputs.device)
             step("warm-up")
             expect = result["out"].to(inputs.device)[rows]
-            result["batch"] = _batch_checks(fn, logits, target, rows, expect, job, step)
+            extra = torch.tensor(data.extra_rows, dtype=torch.int64, device=inputs.device)
+            result["batch"] = _batch_checks(fn, x, target, rows, extra, expect, job, step)
             if job.emulate:
-                result["settings"] = _settings_checks(fn, logits, target, rows, job, step)
+                result["settings"] = _settings_checks(fn, x, target, rows, job, step)
             else:
                 with emulation.emulate(None) as counter:
-                    fn(logits[rows[:1]], target[rows[:1]])
+                    fn(x[rows[:1]], target[rows[:1]])
                 result["float_all_reduces_per_call"] = counter.count
             result["padded_vocab"] = ctx.padded_vocab
             result["wall_s"] = time.perf_counter() - start
@@ -170,12 +178,12 @@ def _check(name, job: Job, group, inputs: _Inputs, report) -> dict:
         cand.teardown()
 
 
-def _warm_up(fn, logits, target, group, device) -> dict:
+def _warm_up(fn, x, target, group, device) -> dict:
     import torch.distributed as dist
 
     memory = measure.PeakMemory(device)
     dist.barrier(group=group)
-    out = fn(logits, target)  # its output is the result
+    out = fn(x, target)  # its output is the result
     measure.sync(device)
     peak, digest = memory.read(), sha256(out)
     per_rank = [None] * dist.get_world_size(group)
@@ -209,9 +217,9 @@ def _time_interleaved(job: Job, group, inputs: _Inputs, report, publish) -> None
             report(name, done[0], "building")
             cand = candidates.create(name)
             built.append(cand)
-            logits, target, ctx = inputs(cand, group)
+            x, target, ctx, _ = inputs(cand, group)
             fn = _logprobs_fn(cand, ctx)
-            steps[name] = lambda fn=fn, x=logits, t=target: fn(x, t)
+            steps[name] = lambda fn=fn, x=x, t=target: fn(x, t)
         with torch.no_grad():
             for name, run in steps.items():
                 dist.barrier(group=group)
@@ -236,12 +244,12 @@ def _time_interleaved(job: Job, group, inputs: _Inputs, report, publish) -> None
             cand.teardown()
 
 
-def _batch_checks(fn, logits, target, rows, expect, job: Job, step) -> dict:
+def _batch_checks(fn, x, target, rows, extra, expect, job: Job, step) -> dict:
     gen = torch.Generator().manual_seed(job.seed + 2)
     n = rows.numel()
 
     def run(idx):
-        return fn(logits[idx], target[idx])
+        return fn(x[idx], target[idx])
 
     alone = torch.cat([run(rows[i : i + 1]) for i in range(n)])
     step("rows alone")
@@ -257,7 +265,6 @@ def _batch_checks(fn, logits, target, rows, expect, job: Job, step) -> dict:
     permuted = torch.empty_like(expect)
     permuted[perm] = run(rows[perm])
     step("permuted")
-    extra = torch.tensor(job.extra_rows, dtype=torch.int64, device=rows.device)
     mixed_idx = torch.cat((rows, extra))
     shuffle = torch.randperm(mixed_idx.numel(), generator=gen).to(rows.device)
     mixed_out = torch.empty(mixed_idx.numel(), dtype=expect.dtype, device=expect.device)
@@ -272,11 +279,11 @@ def _batch_checks(fn, logits, target, rows, expect, job: Job, step) -> dict:
     return {k: checks.differing_rows(v, expect) for k, v in variants.items()}
 
 
-def _settings_checks(fn, logits, target, rows, job: Job, step) -> dict:
+def _settings_checks(fn, x, target, rows, job: Job, step) -> dict:
     outs, counts = {}, {}
     for setting in emulation.emulated_settings(job.tp):
         with emulation.emulate(setting) as counter:
-            outs[setting.name] = fn(logits[rows], target[rows])
+            outs[setting.name] = fn(x[rows], target[rows])
         counts[setting.name] = counter.count
         step(setting.name)
     base = outs["as_is"]

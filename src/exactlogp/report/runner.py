@@ -2,7 +2,9 @@
 
 1. rows: the requested candidates (+ one exactlogp row per other backend); the ones
    that cannot run here are reported as {"unavailable": "<exception text>"}
-2. the shared workload: seeded logits and targets, written once; its fp64 truth
+2. the shared workloads, written once with their fp64 truth: seeded logits and targets;
+   and, when a fused LM-head row asks for them, seeded hidden states, an LM-head weight
+   and targets (candidates.base: the candidate's `kind`)
 3. per TP degree, spawned worlds (gloo on CPU; NCCL, one GPU per rank) run job.py's
    checks for the candidates one after another, each with its own timeout; a crash or
    hang costs that candidate its result and the rest a fresh world. Then one world
@@ -29,15 +31,19 @@ from .job import run_candidates
 from .session import Session
 
 DEFAULT_CANDIDATES = (
+    # on the shared logits
     "exactlogp",
     "megatron_ce",
     "megatron_fused_ce",
     "vime_default",
     "vllm_gather",
     "rl_kernel_ws2",
-    "miles_fused",
-    "verl_fused",
     "torch_full",
+    # on the shared hidden states and LM-head weight
+    "exactlogp_linear",
+    "verl_fused",
+    "miles_fused",
+    "torch_linear",
 )
 
 
@@ -45,6 +51,12 @@ DEFAULT_CANDIDATES = (
 class ReportOptions:
     tokens: int = 1024
     vocab: int = 151936
+    # The hidden-state workload: hidden_tokens x hidden_size hidden states and a vocab x
+    # hidden_size LM head (Qwen3-Next's vocabulary; its hidden size is 2048). Smaller than
+    # the logits workload so that `make report` stays within minutes on a small CPU: the
+    # exact LM head's CPU time grows with tokens x vocab.
+    hidden_tokens: int = 128
+    hidden_size: int = 256
     tp: tuple[int, ...] = (1, 4)
     repeats: int = 10
     dtype: str = "bf16"
@@ -52,6 +64,10 @@ class ReportOptions:
     out: str = "reports/prior_art.json"
     device: str = "auto"
     check_rows: int = 64
+    # The hidden-state workload's check rows: fewer, since the batch checks run every check
+    # row alone and each call of the exact LM head quantizes its whole weight shard first
+    # (~1.4 s for 151936 x 256 on one core).
+    hidden_check_rows: int = 16
     timeout_s: float = 1200.0  # per candidate and TP degree
     # One intra-op thread per rank by default: on CPU, torch splits one long row's sum
     # over threads, so a thread count that changes with TP or batch would add its own
@@ -63,16 +79,33 @@ class ReportOptions:
 
 
 PRESETS = {
-    # Small enough for CI: well under a minute of measurement on two idle CPU cores.
-    # megatron_fused_ce is left out: its torch.compile warm-up alone takes ~30 s per world.
+    # Small enough for CI: a few minutes on two idle CPU cores. The default rows but
+    # megatron_fused_ce, whose torch.compile warm-up alone takes ~30 s per world
+    # (miles_fused compiles the same megatron-core function but stays: it is the only row
+    # of its pipeline).
     "quick": dict(
         tokens=48,
         vocab=2048,
+        hidden_tokens=48,
+        hidden_size=128,
         tp=(1, 2),
         repeats=10,
         check_rows=12,
+        hidden_check_rows=12,
         timeout_s=300.0,
-        candidates=tuple(c for c in DEFAULT_CANDIDATES if c != "megatron_fused_ce"),
+        candidates=(
+            "exactlogp",
+            "megatron_ce",
+            "vime_default",
+            "vllm_gather",
+            "rl_kernel_ws2",
+            "torch_full",
+            "exactlogp_linear",
+            "exactlogp_linear[reference]",  # cheap at this size: the backends' bits agree
+            "verl_fused",
+            "miles_fused",
+            "torch_linear",
+        ),
     ),
 }
 
@@ -142,7 +175,8 @@ def under_torchrun() -> bool:
 
 
 def _check_options(opts: ReportOptions) -> None:
-    for name in ("tokens", "vocab", "repeats", "check_rows"):
+    counts = ("tokens", "vocab", "repeats", "check_rows")
+    for name in (*counts, "hidden_tokens", "hidden_size", "hidden_check_rows"):
         value = getattr(opts, name)
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")

@@ -3,7 +3,9 @@
 Keys shared with the seed prior-art report keep the seed's meaning: tp4_equals_tp1,
 nccl_setting_invariant, batch_bitwise, distinct_results_in_repeats, repeats, reference,
 max_abs_vs_fp64, max_abs_vs, latency_us_tp4, and {"unavailable": text} for a candidate
-that cannot run.
+that cannot run. The fused LM-head rows (entry "workload": "hidden_states") use the same
+keys on the hidden-state workload, described in the header's "hidden_states", against its
+own fp64 truth ("reference": "lm_head_fp64").
 """
 
 from __future__ import annotations
@@ -26,10 +28,12 @@ LATENCY = {
     "properties": {"median": NUM, "p10": NUM, "p90": NUM, "runs": INT},
 }
 
+WORKLOAD = {"enum": ["logits", "hidden_states"]}  # candidates.base.WORKLOADS
+
 UNAVAILABLE = {
     "type": "object",
     "required": ["unavailable"],
-    "properties": {"unavailable": STR},
+    "properties": {"unavailable": STR, "workload": WORKLOAD},
     "additionalProperties": False,
 }
 
@@ -38,6 +42,7 @@ MEASURED = {
     "required": [
         "summary",
         "implementation",
+        "workload",
         "tp_measured",
         "tp4_equals_tp1",
         "tp_equals_tp1",
@@ -61,6 +66,7 @@ MEASURED = {
         "summary": STR,
         "implementation": {"enum": ["ours", "real", "re-implementation"]},
         "note": STR,
+        "workload": WORKLOAD,
         "backend": STR,
         "backend_resolved": STR,
         "tp_measured": {"type": "array", "items": INT},
@@ -86,7 +92,7 @@ MEASURED = {
         "distinct_results_in_repeats": {"type": ["integer", "null"], "minimum": 1},
         "repeats": {"type": ["integer", "null"], "minimum": 1},
         "ranks_agree": OPT_BOOL,
-        "reference": {"const": "shared_logits_fp64"},
+        "reference": {"enum": ["shared_logits_fp64", "lm_head_fp64"]},
         "max_abs_vs_fp64": OPT_NUM,
         "max_ulp_vs_fp64": OPT_NUM,
         "max_abs_vs": {"type": "object", "additionalProperties": NUM},
@@ -97,6 +103,35 @@ MEASURED = {
     },
     "patternProperties": {"^latency_us_tp[0-9]+$": NUM},
     "additionalProperties": {"not": {}},
+}
+
+HIDDEN_STATES = {
+    "type": "object",
+    "required": [
+        "tokens",
+        "hidden",
+        "vocab",
+        "dtype",
+        "workload",
+        "reference",
+        "check_rows",
+        "extra_rows",
+    ],
+    "properties": {
+        "tokens": {"type": "integer", "minimum": 1},
+        "hidden": {"type": "integer", "minimum": 1},
+        "vocab": {"type": "integer", "minimum": 1},
+        "dtype": {"enum": ["bf16", "fp16", "fp32"]},
+        "workload": {"type": "object", "required": ["generator", "seed", "distribution"]},
+        "reference": {
+            "type": "object",
+            "required": ["name", "method"],
+            "properties": {"name": {"const": "lm_head_fp64"}, "method": STR},
+        },
+        "check_rows": {"type": "array", "items": INT},
+        "extra_rows": {"type": "array", "items": INT},
+    },
+    "additionalProperties": False,
 }
 
 SETTING = {
@@ -184,6 +219,7 @@ REPORT = {
         "workload": {"type": "object", "required": ["generator", "seed", "distribution"]},
         "reference": {"type": "object", "required": ["name", "method"]},
         "method": {"type": "object"},
+        "hidden_states": HIDDEN_STATES,  # present when a row takes the hidden-state workload
         "candidates": {
             "type": "object",
             "minProperties": 1,

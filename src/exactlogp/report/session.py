@@ -12,6 +12,16 @@ from .job import Job
 
 
 @dataclass
+class Prepared:
+    """One workload as this run generated it."""
+
+    spec: object  # workload.Workload or workload.HiddenWorkload
+    saved: workload.Saved  # what the worlds load
+    inputs: dict  # name -> tensor, as saved
+    reference: torch.Tensor | None = None  # (N,) fp64 truth (rank 0 only under torchrun)
+
+
+@dataclass
 class Session:
     opts: object  # runner.ReportOptions
     device: torch.device
@@ -26,13 +36,8 @@ class Session:
     entries: dict = field(default_factory=dict)  # name -> {"unavailable": text} so far
     results: dict = field(default_factory=dict)  # name -> tp -> result or {"error"}
     settings: list = field(default_factory=list)  # emulation.Setting, every one used
-    workload: workload.Workload | None = None
-    data_path: str = ""
-    logits: torch.Tensor | None = None
-    target: torch.Tensor | None = None
-    reference: torch.Tensor | None = None
-    check_rows: list[int] = field(default_factory=list)
-    extra_rows: list[int] = field(default_factory=list)
+    kinds: dict = field(default_factory=dict)  # name -> the workload it takes
+    data: dict = field(default_factory=dict)  # workload kind -> Prepared
 
     def choose_rows(self) -> None:
         """Report rows from the requested names; those that cannot even be created are
@@ -40,38 +45,59 @@ class Session:
         self.rows = candidates.expand(list(self.opts.candidates), self.device)
         for name in self.rows:
             try:
-                candidates.create(name)
+                cand = candidates.create(name)
             except Exception as exc:
                 self.entries[name] = {"unavailable": f"{type(exc).__name__}: {exc}"}
                 continue
             self.runnable.append(name)
+            self.kinds[name] = cand.kind
             self.results[name] = {}
 
     def prepare(self, tmp: str, display, reference: bool = True) -> None:
-        """Generate and save the shared workload; compute its fp64 truth if asked."""
+        """Generate and save the shared workloads (the logits always, the hidden states
+        when a row takes them); compute their fp64 truth if asked."""
         opts = self.opts
-        self.workload = workload.Workload(opts.tokens, opts.vocab, opts.dtype, opts.seed)
-        self.data_path = os.path.join(tmp, "workload.pt")
+        spec = workload.Workload(opts.tokens, opts.vocab, opts.dtype, opts.seed)
         task = display.start(f"shared logits {opts.tokens} x {opts.vocab} {opts.dtype}", 2)
-        self.logits, self.target = workload.generate(self.workload)
-        workload.save(self.data_path, self.logits, self.target)
+        logits, target = workload.generate(spec)
+        self._save(tmp, "logits", spec, opts.check_rows, dict(logits=logits, target=target))
         display.advance(task, 1, "fp64 reference")
         if reference:
-            self.reference = workload.reference_logprobs(self.logits, self.target)
+            self.data["logits"].reference = workload.reference_logprobs(logits, target)
         display.finish(task, "ready")
-        self.check_rows, self.extra_rows = workload.check_rows(
-            opts.tokens, opts.check_rows, opts.seed
+        if "hidden_states" not in self.kinds.values():
+            return
+        spec = workload.HiddenWorkload(
+            opts.hidden_tokens, opts.hidden_size, opts.vocab, opts.dtype, opts.seed
         )
+        task = display.start(
+            f"shared hidden states {spec.tokens} x {spec.hidden}, head {spec.vocab} x "
+            f"{spec.hidden} {opts.dtype}",
+            2,
+        )
+        hidden, weight, target = workload.generate_hidden(spec)
+        tensors = dict(hidden=hidden, weight=weight, target=target)
+        self._save(tmp, "hidden_states", spec, opts.hidden_check_rows, tensors)
+        display.advance(task, 1, "fp64 GEMM + log-softmax reference")
+        if reference:
+            self.data["hidden_states"].reference = workload.reference_hidden_logprobs(
+                hidden, weight, target
+            )
+        display.finish(task, "ready")
+
+    def _save(self, tmp: str, kind: str, spec, check_rows: int, tensors: dict) -> None:
+        path = os.path.join(tmp, f"{kind}.pt")
+        workload.save(path, **tensors)
+        rows, extra = workload.check_rows(spec.tokens, check_rows, spec.seed)
+        saved = workload.Saved(kind, path, spec.vocab, tuple(rows), tuple(extra))
+        self.data[kind] = Prepared(spec, saved, tensors)
 
     def job(self, names, tp: int, kind: str = "checks") -> Job:
         return Job(
             candidates=tuple(names),
-            data_path=self.data_path,
-            vocab=self.opts.vocab,
+            data={k: self.data[k].saved for k in sorted({self.kinds[n] for n in names})},
             tp=tp,
             repeats=self.opts.repeats,
-            check_rows=tuple(self.check_rows),
-            extra_rows=tuple(self.extra_rows),
             threads=self.threads[tp],
             kind=kind,
             emulate=kind == "checks" and self.backend == "gloo" and tp > 1,
@@ -112,7 +138,10 @@ class Session:
         """Store one TP degree's results; candidates found unavailable leave the run."""
         for name, res in results.items():
             if "unavailable" in res:
-                self.entries[name] = {"unavailable": res["unavailable"]}
+                self.entries[name] = {
+                    "unavailable": res["unavailable"],
+                    "workload": self.kinds[name],
+                }
                 self.runnable.remove(name)
                 del self.results[name]
             else:

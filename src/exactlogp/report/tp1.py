@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from . import candidates, worlds
+from .candidates.base import WORKLOADS
 from .workload import cut_shard
 
 
@@ -42,6 +43,10 @@ def tp1_steps(names, logits: torch.Tensor, target: torch.Tensor, *, skip_unavail
             for name in names:
                 cand = candidates.create(name)
                 try:
+                    if cand.kind != "logits":
+                        raise candidates.Unavailable(
+                            f"{name} takes {WORKLOADS[cand.kind]}; TP1 steps give logits"
+                        )
                     cand.check_available(device)
                 except candidates.Unavailable as exc:
                     if not skip_unavailable:

@@ -5,6 +5,9 @@ GPU check and the tests. Each module says exactly what it runs.
 ("exactlogp[cpu,entropy]", "torch_full[row_block=all]": the class's `from_params`), or
 from "package.module:Class" for a candidate defined elsewhere.
 
+The first rows take the shared logits; exactlogp_linear, verl_fused, miles_fused and
+torch_linear take the hidden states and the LM-head weight (kind "hidden_states").
+
 A new candidate is one module here (a `Candidate` subclass, see base.py) and one line in
 REGISTRY.
 """
@@ -25,10 +28,12 @@ REGISTRY: dict[str, str] = {
     "vime_default": "exactlogp.report.candidates.vime_default:VimeDefault",
     "vllm_gather": "exactlogp.report.candidates.vllm_gather:VllmGather",
     "rl_kernel_ws2": "exactlogp.report.candidates.rl_kernel_ws2:RLKernelWS2",
-    "miles_fused": "exactlogp.report.candidates.miles_fused:MilesFused",
-    "verl_fused": "exactlogp.report.candidates.verl_fused:VerlFused",
     "torch_full": "exactlogp.report.candidates.torch_full:TorchFull",
     "torch_compile": "exactlogp.report.candidates.torch_compile:TorchCompile",
+    "exactlogp_linear": "exactlogp.report.candidates.exactlogp_linear:ExactlogpLinear",
+    "verl_fused": "exactlogp.report.candidates.verl_fused:VerlFused",
+    "miles_fused": "exactlogp.report.candidates.miles_fused:MilesFused",
+    "torch_linear": "exactlogp.report.candidates.torch_linear:TorchLinear",
 }
 
 
@@ -64,7 +69,8 @@ def create(name: str) -> Candidate:
 
 def expand(requested: list[str], device: torch.device) -> list[str]:
     """Report rows for the requested names: "exactlogp" (backend auto) brings one more row
-    per other backend that loads and supports `device`."""
+    per other backend that loads and supports `device`. (An "exactlogp_linear[BACKEND]"
+    row is there when asked for by name: each of its calls costs seconds on a CPU.)"""
     rows: list[str] = []
     for name in requested:
         rows.append(name)

@@ -1,21 +1,27 @@
-"""What a candidate is: a named way to turn vocab-sharded logits into selected logprobs.
+"""What a candidate is: a named way to turn vocab-sharded logits (or the hidden states
+and LM-head weight rows that make them) into selected logprobs.
 
 One interface for every tool: the report builds candidates in spawned gloo/NCCL worlds
 at every TP degree, the bench and the GPU check build them at TP1 on a process group of
 one rank (`report/tp1.py`), through the same `ShardContext`.
 
-The harness gives every candidate the same shared logits, cut into the shards its own
-framework would hold (each framework pads the vocabulary its own way; padding columns
-are -inf so they never change a softmax), and calls `build(ctx)` once inside a real
-torch.distributed world. The returned function maps one shard of rows to fp32 logprobs
-of the global targets (or a tuple whose first item they are, when the candidate computes
-more, such as the entropy); it must issue the same collectives on every rank. Where
-`supports_backward` is set, the function is differentiable with respect to the logits
-and `loss` gives the scalar a trainer would differentiate.
+`kind` is the workload a candidate takes (a key of WORKLOADS):
 
-`kind` is the workload a candidate takes: "logits" today. A fused LM-head candidate
-(hidden states and the head weight instead of logits) declares another kind; until the
-harness gives that workload, it is reported unavailable with the reason.
+  "logits"         the shared logits, cut into the column shards its own framework would
+                   hold (each framework pads the vocabulary its own way; padding columns
+                   are -inf so they never change a softmax)
+  "hidden_states"  the shared hidden states (N, H), the same on every rank, and the rows
+                   of the LM-head weight (V, H) its framework would hold, padded the same
+                   way (padding rows are zero; a candidate whose pipeline materialises
+                   logits sets their columns to -inf, as the logits workload has them)
+
+The harness calls `build(ctx)` once inside a real torch.distributed world (for a
+"hidden_states" candidate, `ctx.weight` holds this rank's weight rows). The returned
+function maps a batch of rows -- logits (N, V_local), or hidden states (N, H) -- and their
+global targets (N,) to fp32 logprobs (or a tuple whose first item they are, when the
+candidate computes more, such as the entropy); it must issue the same collectives on
+every rank. Where `supports_backward` is set, the function is differentiable with
+respect to the logits and `loss` gives the scalar a trainer would differentiate.
 """
 
 from __future__ import annotations
@@ -29,14 +35,13 @@ from dataclasses import dataclass
 
 import torch
 
-LogprobFn = Callable[[torch.Tensor, torch.Tensor], object]  # (N, V_local), (N,) -> (N,) or tuple
+LogprobFn = Callable[[torch.Tensor, torch.Tensor], object]  # rows, (N,) -> (N,) or tuple
 
-# the workloads the harness can give, and what each candidate kind takes
+# the workloads the harness gives, and what each candidate kind takes
 WORKLOADS = {
     "logits": "vocab-parallel logits (N, V_local)",
     "hidden_states": "hidden states and the LM-head weight (fused LM-head candidates)",
 }
-GIVEN = "logits"  # what the harness gives today
 
 
 class Unavailable(Exception):
@@ -52,6 +57,7 @@ class ShardContext:
     vocab_size: int  # real vocabulary
     padded_vocab: int  # columns over all shards, padding included
     vocab_start: int  # global id of this shard's first column
+    weight: torch.Tensor | None = None  # (shard_width, H) LM-head rows ("hidden_states")
 
     @property
     def shard_width(self) -> int:
@@ -79,10 +85,6 @@ class Candidate:
 
     def check_available(self, device: torch.device) -> None:
         """Raise Unavailable (cheaply, before any world is started) if this cannot run."""
-        if self.kind != GIVEN:
-            raise Unavailable(
-                f"{self.name} takes {WORKLOADS[self.kind]}; the harness gives {WORKLOADS[GIVEN]}"
-            )
 
     def padded_vocab(self, vocab_size: int, tp: int) -> int:
         """The vocabulary width this framework shards at this TP degree."""
