@@ -195,7 +195,7 @@ def rollout_scorers(vocab: int):
             BASELINE: vllm_logprobs(logits, tokens),
         }
         if trl_logprobs is not None:
-            out[TRL] = trl_logprobs(logits, tokens)
+            out[TRL] = trl_logprobs(logits, tokens).float()  # TRL gives the head dtype
         return logits, out
 
     return score, vllm.summary, trl_missing
@@ -209,6 +209,23 @@ def trl_selective_log_softmax():
         return None, str(exc)
 
 
+def _cache_arg() -> str:
+    """transformers renamed past_key_values to cache (5.2x); take whichever this one has."""
+    import inspect
+
+    from transformers import Qwen3NextModel
+
+    params = inspect.signature(Qwen3NextModel.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def cache_of(out):
+    return getattr(out, "cache", None) or out.past_key_values
+
+
+CACHE_ARG = None  # set on first use: transformers is imported lazily
+
+
 @torch.no_grad()
 def rollout(model, prompts, lengths, weights: dict, score, gen) -> tuple[torch.Tensor, Side]:
     """Decode with the cache, sampling from the body-dtype LM head; returns the sampled
@@ -216,11 +233,14 @@ def rollout(model, prompts, lengths, weights: dict, score, gen) -> tuple[torch.T
     num_tokens, vocab = sum(lengths), model.lm_head.weight.shape[0]
     limit, row0 = torch.tensor(lengths), offsets_of(lengths)
     tokens = torch.empty(num_tokens, dtype=torch.int64)
-    side = Side(torch.empty(num_tokens, model.config.hidden_size, dtype=model.dtype))
+    body_dtype = model.model.embed_tokens.weight.dtype  # the body's, whatever buffers it keeps
+    side = Side(torch.empty(num_tokens, model.config.hidden_size, dtype=body_dtype))
     for head, w in weights.items():
         side.logits[head] = torch.empty(num_tokens, vocab, dtype=w.dtype)
         for method in METHODS:
             side.logprobs[head, method] = torch.empty(num_tokens)
+    global CACHE_ARG
+    CACHE_ARG = CACHE_ARG or _cache_arg()
     active = torch.arange(len(lengths))  # the sequences still decoding
     out = model.model(input_ids=prompts, use_cache=True)  # the prompt prefill
     for step in range(max(lengths)):
@@ -239,9 +259,9 @@ def rollout(model, prompts, lengths, weights: dict, score, gen) -> tuple[torch.T
             break
         if not going.all():  # drop the finished rows from every layer's cache
             keep = going.nonzero().squeeze(-1)
-            out.cache.reorder_cache(keep)
+            cache_of(out).reorder_cache(keep)
             active, sampled = active[keep], sampled[keep]
-        out = model.model(input_ids=sampled[:, None], cache=out.cache, use_cache=True)
+        out = model.model(input_ids=sampled[:, None], use_cache=True, **{CACHE_ARG: cache_of(out)})
     return tokens, side
 
 
@@ -316,7 +336,7 @@ def trainer(cfg: DemoConfig, jobs: dict, vocab_padded: int) -> dict[str, Side]:
             side.logprobs[head, method] = ranks[0][k][method]
         if trl_logprobs is not None:  # a TRL trainer: no TP, the full head at batch T
             full = F.linear(hidden.to(DTYPES[head]), weight)
-            side.logprobs[head, TRL] = trl_logprobs(full, target)
+            side.logprobs[head, TRL] = trl_logprobs(full, target).float()  # in the head dtype
     return sides
 
 
