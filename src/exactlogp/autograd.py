@@ -3,6 +3,7 @@
 logits shard --backend.row_max--> (N,) fp32 --all_reduce(MAX) with the agreement fields--> M
 logits shard --backend.partials(M)--> (N, 8) int64 --all_reduce(SUM)--> record
 record --backend.finalize (= contract.finalize)--> logprobs, entropy, lse + row stats
+without a TP group: backend.forward_unsharded does all of the above (a backend may fuse it)
 backward: backend.grad(logits, stats) -- elementwise, no collective
 """
 
@@ -15,6 +16,7 @@ import torch
 
 from . import agreement, contract, distributed, validation
 from .backends import Backend, ShardPlan
+from .backends.base import bad_temperature
 
 
 @dataclass(frozen=True)
@@ -38,28 +40,29 @@ def forward_pipeline(
 ) -> tuple[torch.Tensor, contract.Finalized]:
     plan, backend, group = opts.plan, opts.backend, opts.group
     n = logits.shape[0]
-    # --- 1-2. exact global max; the agreement fields ride along ---
-    row_max = backend.row_max(logits, temperature, keep_mask, plan)
     ranks = None
-    if group.distributed:
+    if not group.distributed:  # the whole vocabulary is here: nothing crosses ranks
+        row_max, record, fin = backend.forward_unsharded(
+            logits, target, temperature, keep_mask, plan
+        )
+    else:
+        # --- 1-2. exact global max; the agreement fields ride along ---
+        row_max = backend.row_max(logits, temperature, keep_mask, plan)
         payload = agreement.max_payload(
             row_max, target, temperature, opts.call_key, group, opts.layout
         )
         distributed.all_reduce_max_(payload, group)
         row_max, ranks = agreement.read_max(payload, n, group, plan.vocab_size)
-    # --- 3-5. exact local record ---
-    record = backend.partials(logits, target, temperature, keep_mask, row_max, plan)
-    # --- 6. combine across ranks ---
-    if n:
-        distributed.all_reduce_sum_(record, group)
-    # --- 7. finish ---
-    bad_tau = None
-    if isinstance(temperature, torch.Tensor):
-        bad_tau = ~(torch.isfinite(temperature) & (temperature > 0))
-    fin = backend.finalize(
-        row_max, record, target, plan.vocab_size, plan.ignore_index, bad_tau,
-        None if ranks is None else ranks.poison,
-    )  # fmt: skip
+        # --- 3-5. exact local record ---
+        record = backend.partials(logits, target, temperature, keep_mask, row_max, plan)
+        # --- 6. combine across ranks ---
+        if n:
+            distributed.all_reduce_sum_(record, group)
+        # --- 7. finish ---
+        fin = backend.finalize(
+            row_max, record, target, plan.vocab_size, plan.ignore_index,
+            bad_temperature(temperature), ranks.poison,
+        )  # fmt: skip
     if opts.validate:
         ctx = validation.RowContext(
             opts.target_shape, temperature, plan.vocab_size, plan.ignore_index,

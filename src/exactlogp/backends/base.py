@@ -2,7 +2,7 @@
 
 A backend never calls a collective; it turns one shard of logits into the per-row max,
 the int64 row record and, in backward, the gradient shard, and may fuse stage 7 (finalize
-of the combined record). All of them must give the bits of `exactlogp.contract` for every
+of the combined record), or all of stages 2-7 when the shard is the whole vocabulary. All of them must give the bits of `exactlogp.contract` for every
 input.
 """
 
@@ -30,6 +30,14 @@ class ShardPlan:
         ).contiguous()
 
 
+def bad_temperature(temperature) -> torch.Tensor | None:
+    """(N,) bool: the per-row temperatures that finalize flags BAD_TEMPERATURE (not finite,
+    or not > 0); None for a scalar, which the argument checks already passed."""
+    if isinstance(temperature, torch.Tensor):
+        return ~(torch.isfinite(temperature) & (temperature > 0))
+    return None
+
+
 class Backend:
     """Interface; `logits` is (N, V_local), `target` (N,) int64 with global ids,
     `temperature` a float or an fp32 (N,) tensor, `keep_mask` None or (N, V_local) bool."""
@@ -46,6 +54,18 @@ class Backend:
     def partials(self, logits, target, temperature, keep_mask, row_max, plan) -> torch.Tensor:
         """(N, contract.NUM_COLS) int64: this shard's exact row record."""
         raise NotImplementedError
+
+    def forward_unsharded(self, logits, target, temperature, keep_mask, plan: ShardPlan):
+        """Stages 2-7 when this shard is the whole vocabulary (no TP group): (row max,
+        record, Finalized). No collective lies between the passes, so a backend may fuse
+        them (one read of each row); this one runs them one after another."""
+        row_max = self.row_max(logits, temperature, keep_mask, plan)
+        record = self.partials(logits, target, temperature, keep_mask, row_max, plan)
+        fin = self.finalize(
+            row_max, record, target, plan.vocab_size, plan.ignore_index,
+            bad_temperature(temperature),
+        )  # fmt: skip
+        return row_max, record, fin
 
     def finalize(
         self, row_max, record, target, vocab_size, ignore_index, bad_temperature,
