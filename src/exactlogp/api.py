@@ -152,7 +152,7 @@ def _prepare_call(
         plan=ShardPlan(start, vocab_size, ignore_index, with_entropy),
         group=group,
         layout=layout,
-        call_key=fields.key(),
+        call_key=fields.key() if group.distributed else 0,  # rides the MAX only with a group
         validate=validate,
         backend=impl,
         target_shape=shape,

@@ -63,7 +63,7 @@ def forward_pipeline(
             row_max, record, target, plan.vocab_size, plan.ignore_index,
             bad_temperature(temperature), ranks.poison,
         )  # fmt: skip
-    if opts.validate:
+    if opts.validate and bool(fin.bad.any()):  # the one host sync of validation
         ctx = validation.RowContext(
             opts.target_shape, temperature, plan.vocab_size, plan.ignore_index,
             group.size, opts.num_cols, ranks,

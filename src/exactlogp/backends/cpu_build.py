@@ -64,13 +64,13 @@ CFLAGS = (
 # the AVX-512 flags bring no FMA (-mfma is never passed, and contraction is off anyway).
 ISA_FLAGS = {
     "baseline": (),
-    "avx2": ("-mavx2",),
-    "avx512": ("-mavx2", "-mavx512f", "-mavx512dq", "-mavx512bw", "-mavx512vl"),
+    "avx2": ("-mavx2", "-mf16c"),
+    "avx512": ("-mavx2", "-mf16c", "-mavx512f", "-mavx512dq", "-mavx512bw", "-mavx512vl"),
 }
 # the CPU flags (/proc/cpuinfo) each x86-64 build needs, best first
 ISA_CPU_FLAGS = {
-    "avx512": ("avx2", "avx512f", "avx512dq", "avx512bw", "avx512vl"),
-    "avx2": ("avx2",),
+    "avx512": ("avx2", "f16c", "avx512f", "avx512dq", "avx512bw", "avx512vl"),
+    "avx2": ("avx2", "f16c"),
 }
 COMPILE_TIMEOUT_S = 600
 
