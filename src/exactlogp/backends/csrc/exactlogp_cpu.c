@@ -134,6 +134,12 @@ ELP_INLINE vl widen_mask_lo(vi m) {
 ELP_INLINE vl widen_mask_hi(vi m) {
     return (vl)_mm512_cvtepi32_epi64(_mm512_extracti64x4_epi64((__m512i)m, 1));
 }
+ELP_INLINE vl widen_u32_lo(vu u) {
+    return (vl)_mm512_cvtepu32_epi64(_mm512_castsi512_si256((__m512i)u));
+}
+ELP_INLINE vl widen_u32_hi(vu u) {
+    return (vl)_mm512_cvtepu32_epi64(_mm512_extracti64x4_epi64((__m512i)u, 1));
+}
 ELP_INLINE vf narrow(vd lo, vd hi) { /* fp64 -> fp32, round to nearest even */
     __m256 a = _mm512_cvtpd_ps((__m512d)lo), b = _mm512_cvtpd_ps((__m512d)hi);
     return (vf)_mm512_insertf32x8(_mm512_castps256_ps512(a), b, 1);
@@ -166,6 +172,12 @@ ELP_INLINE vl widen_mask_lo(vi m) {
 }
 ELP_INLINE vl widen_mask_hi(vi m) {
     return (vl)_mm256_cvtepi32_epi64(_mm256_extracti128_si256((__m256i)m, 1));
+}
+ELP_INLINE vl widen_u32_lo(vu u) {
+    return (vl)_mm256_cvtepu32_epi64(_mm256_castsi256_si128((__m256i)u));
+}
+ELP_INLINE vl widen_u32_hi(vu u) {
+    return (vl)_mm256_cvtepu32_epi64(_mm256_extracti128_si256((__m256i)u, 1));
 }
 ELP_INLINE vf narrow(vd lo, vd hi) { /* fp64 -> fp32, round to nearest even */
     __m128 a = _mm256_cvtpd_ps((__m256d)lo), b = _mm256_cvtpd_ps((__m256d)hi);
@@ -207,6 +219,16 @@ ELP_INLINE vl widen_mask_lo(vi m) {
 ELP_INLINE vl widen_mask_hi(vi m) {
     vl r;
     for (int i = 0; i < DW; ++i) r[i] = m[DW + i];
+    return r;
+}
+ELP_INLINE vl widen_u32_lo(vu u) {
+    vl r;
+    for (int i = 0; i < DW; ++i) r[i] = u[i];
+    return r;
+}
+ELP_INLINE vl widen_u32_hi(vu u) {
+    vl r;
+    for (int i = 0; i < DW; ++i) r[i] = u[DW + i];
     return r;
 }
 ELP_INLINE vf narrow(vd lo, vd hi) {
@@ -715,9 +737,9 @@ enum { N_VALUES = 1 << 16, FIX_CAP = 4096 };
    keeps counts in it, grad its table (FILLED | gradient bits, or PENDING while a value
    waits for its batch). */
 typedef struct {
-    uint32_t slot[N_VALUES];
-    uint16_t done[N_VALUES]; /* partials: the row's distinct values; grad: the values whose
-                                slots this row set */
+    uint32_t slot[N_VALUES + LANES]; /* the tail stays zero: a last batch reads past n */
+    uint16_t done[N_VALUES];         /* partials: the row's distinct values; grad: the
+                                        values whose slots this row set */
     int64_t fix[FIX_CAP];    /* grad: columns stored before their value was computed */
 } value_scratch;
 
@@ -749,24 +771,58 @@ ELP_INLINE void count_keys(const uint16_t *keys, const int stride, const uint8_t
     for (; j < n; ++j) ++count[keys[j * stride]];
 }
 
-ELP_INLINE int any_nonzero64(const uint32_t *p) { /* 64 bytes */
-    uint64_t w[8];
-    memcpy(w, p, sizeof w);
-    return (w[0] | w[1] | w[2] | w[3] | w[4] | w[5] | w[6] | w[7]) != 0;
-}
-
-/* vals[0, n) = the values whose count is not 0, in value order; returns n. */
-static int64_t list_values(const uint32_t *count, uint16_t *vals) {
+/* Compact the counts: afterwards count[0, n) holds the non-zero counts in value order,
+   vals[0, n) their values, and every other slot is zero again; returns n. Each count moves
+   down (n <= its value), so a slot is read before anything is written over it. */
+#if defined(__AVX512F__)
+static int64_t list_values(uint32_t *count, uint16_t *vals) {
     int64_t n = 0;
-    for (int64_t b = 0; b < N_VALUES; b += 16) {
-        if (!any_nonzero64(count + b)) continue;
-        for (int64_t i = b; i < b + 16; ++i) {
-            vals[n] = (uint16_t)i;
-            n += count[i] != 0;
+    __m512i idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    for (int64_t b = 0; b < N_VALUES; b += 16, idx = _mm512_add_epi32(idx, _mm512_set1_epi32(16))) {
+        __m512i c = _mm512_loadu_si512(count + b);
+        __mmask16 m = _mm512_test_epi32_mask(c, c);
+        if (!m) continue;
+        _mm512_storeu_si512(count + b, _mm512_setzero_si512());
+        /* n + 16 <= b + 16 <= N_VALUES; the lanes past the non-zero ones store zeros */
+        _mm512_storeu_si512(count + n, _mm512_maskz_compress_epi32(m, c));
+        _mm256_storeu_si256((__m256i *)(vals + n),
+                            _mm512_cvtepi32_epi16(_mm512_maskz_compress_epi32(m, idx)));
+        n += __builtin_popcount(m);
+    }
+    return n;
+}
+#elif defined(__AVX2__)
+static int64_t list_values(uint32_t *count, uint16_t *vals) {
+    int64_t n = 0;
+    for (int64_t b = 0; b < N_VALUES; b += 8) {
+        __m256i c = _mm256_loadu_si256((const __m256i *)(count + b));
+        __m256i zero = _mm256_setzero_si256();
+        unsigned m = 0xFFu ^ (unsigned)_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(c, zero)));
+        if (!m) continue;
+        uint32_t cs[8];
+        _mm256_storeu_si256((__m256i *)cs, c);
+        _mm256_storeu_si256((__m256i *)(count + b), zero);
+        for (; m; m &= m - 1) {
+            int k = __builtin_ctz(m);
+            count[n] = cs[k];
+            vals[n++] = (uint16_t)(b + k);
         }
     }
     return n;
 }
+#else
+static int64_t list_values(uint32_t *count, uint16_t *vals) {
+    int64_t n = 0;
+    for (int64_t i = 0; i < N_VALUES; ++i) {
+        uint32_t c = count[i];
+        count[i] = 0;
+        count[n] = c; /* n <= i; a zero written here is overwritten by the next count */
+        vals[n] = (uint16_t)i;
+        n += c != 0;
+    }
+    return n;
+}
+#endif
 
 typedef struct {
     vul e_hi, e_lo, w_hi, w_lo; /* wrap mod 2^64, as the int64 sums */
@@ -776,29 +832,25 @@ typedef struct {
 /* An integer-valued double 0 <= v < 2^52 as an integer: the low bits of v + 2^52 (exact). */
 ELP_INLINE vul as_u64(vd v) { return (vul)(v + 0x1p52) - (vul)splatd(0x1p52); }
 
-ELP_INLINE void add_counted(const uint64_t c64[LANES], const vd hi[V4], const vd lo[V4],
-                            vul *sum_hi, vul *sum_lo) {
+ELP_INLINE void add_counted(const vul c[V4], const vd hi[V4], const vd lo[V4], vul *sum_hi,
+                            vul *sum_lo) {
     for (int i = 0; i < V4; ++i) {
-        vul c;
-        memcpy(&c, c64 + i * DW, sizeof c);
-        *sum_hi += c * as_u64(hi[i]);
-        *sum_lo += c * as_u64(lo[i]);
+        *sum_hi += c[i] * as_u64(hi[i]);
+        *sum_lo += c[i] * as_u64(lo[i]);
     }
 }
 
-/* Add count x (limbs, non-finite flag) of the n <= LANES values vals[0, n) to the sums,
-   taking the counts out of `count` (which is left zero there). */
-ELP_INLINE void sum_values(const row_view *v, const uint16_t *vals, int64_t n, uint32_t *count,
-                           vd m, value_sums *t, const int dtype, const int entropy) {
-    uint64_t c64[LANES];
-    uint32_t c32[LANES];
-    for (int64_t k = 0; k < LANES; ++k) {
-        uint32_t c = 0;
-        if (k < n) {
-            c = count[vals[k]];
-            count[vals[k]] = 0;
-        }
-        c64[k] = c32[k] = c;
+/* Add count x (limbs, non-finite flag) of the n <= LANES values vals[0, n) to the sums;
+   counts[0, LANES) are theirs (0 past n). */
+ELP_INLINE void sum_values(const row_view *v, const uint16_t *vals, int64_t n,
+                           const uint32_t *counts, vd m, value_sums *t, const int dtype,
+                           const int entropy) {
+    vu c32[V8];
+    vul c[V4];
+    for (int q = 0; q < V8; ++q) {
+        memcpy(&c32[q], counts + q * FW, sizeof c32[q]);
+        c[2 * q] = (vul)widen_u32_lo(c32[q]);
+        c[2 * q + 1] = (vul)widen_u32_hi(c32[q]);
     }
     row_view w = values_view(v, vals, n);
     vf y8[V8];
@@ -807,18 +859,14 @@ ELP_INLINE void sum_values(const row_view *v, const uint16_t *vals, int64_t n, u
     vd dz[V4], e[V4], hi[V4], lo[V4];
     term_exps(y8, valid8, m, e, dz);
     quantize(e, hi, lo);
-    add_counted(c64, hi, lo, &t->e_hi, &t->e_lo);
+    add_counted(c, hi, lo, &t->e_hi, &t->e_lo);
     if (entropy) {
         vd wv[V4];
         for (int i = 0; i < V4; ++i) wv[i] = e[i] * (-dz[i]);
         quantize(wv, hi, lo);
-        add_counted(c64, hi, lo, &t->w_hi, &t->w_lo);
+        add_counted(c, hi, lo, &t->w_hi, &t->w_lo);
     }
-    for (int q = 0; q < V8; ++q) {
-        vu c;
-        memcpy(&c, c32 + q * FW, sizeof c);
-        t->nonfinite += (vu)nonfinite_lanes(y8[q], valid8[q]) & c;
-    }
+    for (int q = 0; q < V8; ++q) t->nonfinite += (vu)nonfinite_lanes(y8[q], valid8[q]) & c32[q];
 }
 
 ELP_INLINE uint64_t lanes_u64(vul v) {
@@ -870,7 +918,8 @@ ELP_INLINE void table_sums(const row_view *v, const uint16_t *keys, const int st
     value_sums t;
     memset(&t, 0, sizeof t);
     for (int64_t i = 0; i < n; i += LANES)
-        sum_values(v, sc->done + i, min64(LANES, n - i), count, m, &t, vdtype, entropy);
+        sum_values(v, sc->done + i, min64(LANES, n - i), count + i, m, &t, vdtype, entropy);
+    memset(count, 0, n * sizeof *count); /* all-zero again */
     total[0] = lanes_u64(t.e_hi);
     total[1] = lanes_u64(t.e_lo);
     total[2] = lanes_u64(t.w_hi);
