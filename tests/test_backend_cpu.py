@@ -230,6 +230,36 @@ def test_non_contiguous_inputs_are_read_not_changed(cpu):
         assert_bitwise_equal(x, before, f"{what} input unchanged")
 
 
+def test_strided_rows_are_read_in_place(cpu):
+    """logits[:, :-1, :] of (B, T + 1, V) logits, whose rows are not evenly spaced: the
+    kernels read them where they are (no copy of the logits) with the reference's bits,
+    forward and backward, and a keep mask sliced alike."""
+    from exactlogp.backends.base import row_view
+
+    full, _ = llm_like_logits(3 * 6, 20000, torch.bfloat16, seed=23)
+    full = full.view(3, 6, 20000)
+    gen = torch.Generator().manual_seed(24)
+    target = torch.randint(0, 20000, (3, 5), generator=gen)
+    keep = torch.rand(3, 6, 20000, generator=gen) < 0.8
+    keep[:, :-1][torch.arange(3)[:, None], torch.arange(5)[None, :], target] = True
+    rows = row_view(full[:, :-1, :])
+    assert rows.dim() == 3 and rows.data_ptr() == full.data_ptr()
+    shard, alive = cpu._shard(rows, 1.0, None, ShardPlan(0, None, -100, False), "forward")
+    assert alive[0].data_ptr() == full.data_ptr()  # read in place
+    results = []
+    for backend in ("cpu", "reference"):
+        leaf = full.clone().requires_grad_(True)
+        res = exactlogp.selected_logprobs(
+            leaf[:, :-1, :], target, keep_mask=keep[:, :-1, :], temperature=0.7,
+            with_entropy=True, backend=backend,
+        )  # fmt: skip
+        (res.logprobs.sum() + 0.5 * res.entropy.sum() - 0.25 * res.lse.sum()).backward()
+        results.append([o.detach() for o in res] + [leaf.grad])
+    for name, a, b in zip(("logprobs", "entropy", "lse", "grad"), *results, strict=True):
+        assert_bitwise_equal(a, b, name)
+    assert (results[0][3][:, -1] == 0).all()
+
+
 # --- the three passes directly, on shards with offsets, padding and nothing at all ---
 
 

@@ -114,6 +114,30 @@ def test_api_invalid_per_row_temperature_gives_nan_rows(backends):
     _assert_same_run(logits, target, with_entropy=True, validate=False, temperature=tau)
 
 
+def test_strided_rows_are_read_in_place(backends):
+    """logits[:, :-1, :] of (B, T + 1, V) logits (rows not evenly spaced) with a keep mask
+    sliced alike: the kernels read them through two row strides, with the reference's
+    bits, and the gradient reaches the unsliced leaf."""
+    full, _ = testing.llm_like_logits(3 * 5, 300, torch.bfloat16, seed=21)
+    full = full.view(3, 5, 300)
+    gen = torch.Generator().manual_seed(22)
+    target = torch.randint(0, 300, (3, 4), generator=gen)
+    keep = torch.rand(3, 5, 300, generator=gen) < 0.7
+    keep[:, :-1][torch.arange(3)[:, None], torch.arange(4)[None, :], target] = True
+    results = []
+    for backend, device in (("reference", CPU), ("triton", DEVICE)):
+        leaf = full.to(device).requires_grad_(True)
+        x, mask, t = leaf[:, :-1, :], keep.to(device)[:, :-1, :], target.to(device)
+        res = exactlogp.selected_logprobs(
+            x, t, keep_mask=mask, temperature=0.7, with_entropy=True, backend=backend
+        )
+        (res.logprobs.sum() + 0.5 * res.entropy.sum() - 0.25 * res.lse.sum()).backward()
+        results.append([o.detach().cpu() for o in res] + [leaf.grad.cpu()])
+    for name, a, b in zip(("logprobs", "entropy", "lse", "grad"), *results, strict=True):
+        testing.assert_bitwise_equal(b, a, name)
+    assert (results[1][3][:, -1] == 0).all()
+
+
 # --- the local passes on shards: offsets, padding, masks, empty shards, split rows ---
 
 

@@ -32,14 +32,14 @@ class Options:
 
 
 def forward_pipeline(
-    logits: torch.Tensor,  # (N, V_local)
+    logits: torch.Tensor,  # (N, V_local), or (B, T, V_local) rows (backends.base.row_view)
     target: torch.Tensor,  # (N,) int64
     temperature: float | torch.Tensor,  # float or (N,) fp32
     keep_mask: torch.Tensor | None,  # (N, V_local) bool
     opts: Options,
 ) -> tuple[torch.Tensor, contract.Finalized]:
     plan, backend, group = opts.plan, opts.backend, opts.group
-    n = logits.shape[0]
+    n = target.shape[0]
     ranks = None
     if not group.distributed:  # the whole vocabulary is here: nothing crosses ranks
         row_max, record, fin = backend.forward_unsharded(
@@ -100,6 +100,19 @@ def once_differentiable(backward):
     return wrapper
 
 
+def selected_logprobs_rows(logits, target, temperature_tensor, keep_mask, scalar_temperature, opts):
+    """SelectedLogprobsFunction.apply; where no gradient can flow (grad mode off, or logits
+    that do not require grad) its forward alone: the same outputs, without the autograd
+    bookkeeping that a small call would notice."""
+    if torch.is_grad_enabled() and logits.requires_grad:
+        return SelectedLogprobsFunction.apply(
+            logits, target, temperature_tensor, keep_mask, scalar_temperature, opts
+        )
+    temperature = scalar_temperature if temperature_tensor is None else temperature_tensor
+    _, fin = forward_pipeline(logits, target, temperature, keep_mask, opts)
+    return fin.logprobs, fin.entropy, fin.lse
+
+
 class SelectedLogprobsFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, temperature_tensor, keep_mask, scalar_temperature, opts):
@@ -130,4 +143,4 @@ class SelectedLogprobsFunction(torch.autograd.Function):
             ctx.scalar_temperature if temperature_tensor is None else temperature_tensor,
         )
         grad = opts.backend.grad(logits, target, temperature, keep_mask, stats, opts.plan)
-        return grad, None, None, None, None, None
+        return grad.view(logits.shape), None, None, None, None, None

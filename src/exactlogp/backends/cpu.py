@@ -23,7 +23,7 @@ import torch
 from .. import contract
 from ..contract import GradStats
 from . import cpu_build
-from .base import Backend, ShardPlan
+from .base import Backend, ShardPlan, num_rows
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 # Below this many logits per thread, waking a thread costs more than it saves.
@@ -60,6 +60,9 @@ class _Shard(ctypes.Structure):  # elp_shard in the C source
         ("vocab_start", ctypes.c_int64),
         ("vocab_size", ctypes.c_int64),
         ("ignore_index", ctypes.c_int64),
+        ("rows_inner", ctypes.c_int64),
+        ("outer_stride", ctypes.c_int64),
+        ("keep_outer_stride", ctypes.c_int64),
     ]
 
 
@@ -168,8 +171,8 @@ class CpuBackend(Backend):
         or "grad" lets the pass use value tables."""
         if logits.dtype not in _DTYPE_CODES:
             raise TypeError(f"backend 'cpu' supports bf16/fp16/fp32 logits, got {logits.dtype}")
-        x = _unit_column_stride(logits)
-        n_rows, n_cols = x.shape
+        x = _unit_column_stride(logits)  # (N, V) or (B, T, V) rows
+        n_rows, n_cols = num_rows(x), x.shape[-1]
         n_real = n_cols
         if plan.vocab_size is not None:
             n_real = min(max(plan.vocab_size - plan.vocab_start, 0), n_cols)
@@ -185,14 +188,17 @@ class CpuBackend(Backend):
         target = None if target is None else _i64(target)
         threads = self.num_threads or torch.get_num_threads()
         threads = max(1, min(threads, n_rows * n_cols // MIN_ELEMENTS_PER_THREAD))
+        three = x.dim() == 3  # (B, T, V): row r is x[r // T, r % T]
         shard = _Shard(
-            x.data_ptr(), x.stride(0), n_rows, n_cols, n_real,
-            _ptr(keep), 0 if keep is None else keep.stride(0),
+            x.data_ptr(), x.stride(-2), n_rows, n_cols, n_real,
+            _ptr(keep), 0 if keep is None else keep.stride(-2),
             _ptr(tau_rows), 1.0 if tau_rows is not None else float(temperature),
             _DTYPE_CODES[logits.dtype], threads,
             self._table_min_cols(logits.dtype, pass_name) if pass_name else -1,
             _ptr(target), plan.vocab_start,
             -1 if plan.vocab_size is None else plan.vocab_size, plan.ignore_index,
+            max(x.shape[1], 1) if three else max(n_rows, 1), x.stride(0) if three else 0,
+            keep.stride(0) if three and keep is not None else 0,
         )  # fmt: skip
         return shard, (x, keep, tau_rows, target)
 
@@ -221,13 +227,13 @@ class CpuBackend(Backend):
     # --- the passes ---
 
     def row_max(self, logits, temperature, keep_mask, plan):
-        out = torch.empty(logits.shape[0], dtype=torch.float32)
+        out = torch.empty(num_rows(logits), dtype=torch.float32)
         shard, _alive = self._shard(logits, temperature, keep_mask, plan)
         self._check(self._lib.elp_row_max(ctypes.byref(shard), out.data_ptr()), "row max")
         return out
 
     def partials(self, logits, target, temperature, keep_mask, row_max, plan):
-        record = torch.empty(logits.shape[0], contract.NUM_COLS, dtype=torch.int64)
+        record = torch.empty(num_rows(logits), contract.NUM_COLS, dtype=torch.int64)
         shard, _alive = self._shard(logits, temperature, keep_mask, plan, "partials", target)
         m = _f32(row_max)
         status = self._lib.elp_partials(
@@ -238,7 +244,7 @@ class CpuBackend(Backend):
 
     def forward_unsharded(self, logits, target, temperature, keep_mask, plan):
         shard, _alive = self._shard(logits, temperature, keep_mask, plan, "forward", target)
-        rows, row_max, record, fin = self._rows(logits.shape[0])
+        rows, row_max, record, fin = self._rows(num_rows(logits))
         status = self._lib.elp_forward(ctypes.byref(shard), int(plan.with_entropy), rows)
         self._check(status, "forward")
         return row_max, record, fin

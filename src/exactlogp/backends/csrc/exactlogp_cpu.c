@@ -29,10 +29,12 @@
  * go: the row is read once, and M is the largest of its distinct values.
  */
 #include <pthread.h>
+#include <sched.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <time.h>
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -80,6 +82,11 @@ typedef struct {
     int64_t vocab_start;    /* global id of local column 0 */
     int64_t vocab_size;     /* finalize's range check; < 0: not given */
     int64_t ignore_index;
+    /* rows in two levels, as a (B, T, V) view such as logits[:, :-1, :] is read without a
+       copy: row r is row r % rows_inner of block r / rows_inner, and row_stride (and
+       keep_stride) step within a block, outer_stride (keep_outer_stride) between blocks */
+    int64_t rows_inner; /* >= 1; n_rows (or more) for plain (N, V) rows */
+    int64_t outer_stride, keep_outer_stride;
 } elp_shard;
 
 /* Per-row statistics of backward, all [n_rows] (contract.GradStats). */
@@ -534,8 +541,9 @@ typedef struct {
 
 ELP_INLINE row_view row_of(const elp_shard *s, int64_t r, const int dtype) {
     row_view v;
-    v.x = (const char *)s->x + r * s->row_stride * elem_size(dtype);
-    v.keep = s->keep ? s->keep + r * s->keep_stride : NULL;
+    int64_t outer = r / s->rows_inner, inner = r % s->rows_inner;
+    v.x = (const char *)s->x + (outer * s->outer_stride + inner * s->row_stride) * elem_size(dtype);
+    v.keep = s->keep ? s->keep + outer * s->keep_outer_stride + inner * s->keep_stride : NULL;
     v.n_cols = s->n_cols;
     v.n_real = s->n_real;
     v.divide = s->tau_rows != NULL || s->tau != 1.0;
@@ -1263,11 +1271,47 @@ static struct {
 } pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER,
           PTHREAD_COND_INITIALIZER};
 
+static uint64_t now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (uint64_t)t.tv_sec * 1000000000u + (uint64_t)t.tv_nsec;
+}
+
+/* A spinning thread yields its core at once when another thread is waiting for it (a
+   machine with more busy threads than cores would otherwise lose whole time slices). */
+ELP_INLINE void cpu_relax(void) { sched_yield(); }
+
+/* Pool threads spin up to SPIN_NS before they sleep on a condition variable: a call that
+   comes right after another (the next decode step, the next pass) then starts without a
+   sleep and wake-up, which costs tens of microseconds on a VM. */
+enum { SPIN_NS = 100000 };
+
+static void spin_while_generation_is(uint64_t seen) {
+    uint64_t start = now_ns();
+    while (__atomic_load_n(&pool.generation, __ATOMIC_ACQUIRE) == seen) {
+        cpu_relax();
+        if (now_ns() - start > SPIN_NS) return;
+    }
+}
+
+static void spin_while_pending(void) {
+    uint64_t start = now_ns();
+    while (__atomic_load_n(&pool.pending, __ATOMIC_ACQUIRE) > 0) {
+        cpu_relax();
+        if (now_ns() - start > SPIN_NS) return;
+    }
+}
+
 static void *helper(void *arg) {
     int id = (int)(intptr_t)arg;
     pthread_mutex_lock(&pool.lock);
     uint64_t seen = pool.born[id]; /* a region may have begun before this thread ran */
     for (;;) {
+        if (pool.generation == seen) {
+            pthread_mutex_unlock(&pool.lock);
+            spin_while_generation_is(seen);
+            pthread_mutex_lock(&pool.lock);
+        }
         while (pool.generation == seen) pthread_cond_wait(&pool.start, &pool.lock);
         seen = pool.generation;
         if (id > pool.active) continue;
@@ -1276,7 +1320,8 @@ static void *helper(void *arg) {
         pthread_mutex_unlock(&pool.lock);
         fn(job, &pool.scratch[id]);
         pthread_mutex_lock(&pool.lock);
-        if (--pool.pending == 0) pthread_cond_signal(&pool.finish);
+        if (__atomic_sub_fetch(&pool.pending, 1, __ATOMIC_RELEASE) == 0)
+            pthread_cond_signal(&pool.finish);
     }
     return NULL;
 }
@@ -1311,12 +1356,13 @@ static void pool_run(region_fn fn, elp_job *job, int workers) {
     int active = min64(workers - 1, pool.helpers);
     if (active > 0) {
         pool.fn = fn, pool.job = job, pool.active = pool.pending = active;
-        ++pool.generation;
+        __atomic_store_n(&pool.generation, pool.generation + 1, __ATOMIC_RELEASE);
         pthread_cond_broadcast(&pool.start);
     }
     pthread_mutex_unlock(&pool.lock);
     fn(job, &pool.scratch[0]);
     if (active > 0) {
+        spin_while_pending();
         pthread_mutex_lock(&pool.lock);
         while (pool.pending > 0) pthread_cond_wait(&pool.finish, &pool.lock);
         pthread_mutex_unlock(&pool.lock);
@@ -1371,7 +1417,7 @@ static int variant_of(const elp_shard *s, int entropy) { return s->dtype * 2 + (
 
 static int bad_shard(const elp_shard *s) {
     return s->dtype < ELP_F32 || s->dtype > ELP_F16 || s->n_rows < 0 || s->n_cols < 0 ||
-           s->n_real < 0 || s->n_real > s->n_cols;
+           s->n_real < 0 || s->n_real > s->n_cols || s->rows_inner < 1;
 }
 
 static int wants_tables(const elp_shard *s) {

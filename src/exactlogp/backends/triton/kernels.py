@@ -200,8 +200,17 @@ def _owned_column(target_ptr, row, vocab_start, n_real, ignore_index):
 
 
 @triton.jit
-def _row_span(x_ptr, keep_ptr, tau_ptr, stride_x, stride_keep, stride_tau, n_real,
-              cols_per_program, HAS_TAU: tl.constexpr):  # fmt: skip
+def _row_ptr(ptr, row64, rows_inner, stride_outer, stride_row):
+    """Row `row64` of rows read in two levels without a copy: row r % rows_inner of block
+    r // rows_inner ((B, T, V) views such as logits[:, :-1, :]; plain (N, V) rows have
+    rows_inner >= N, so the block is always 0)."""
+    return ptr + (row64 // rows_inner) * stride_outer + (row64 % rows_inner) * stride_row
+
+
+@triton.jit
+def _row_span(x_ptr, keep_ptr, tau_ptr, stride_x, stride_keep, stride_tau, rows_inner,
+              stride_x_outer, stride_keep_outer, n_real, cols_per_program,
+              HAS_TAU: tl.constexpr):  # fmt: skip
     """This program's row: (row, its logits, its keep mask, its temperature) and the
     columns [start, stop) it covers (program_id(1) splits a long row)."""
     row = tl.program_id(0)
@@ -209,7 +218,9 @@ def _row_span(x_ptr, keep_ptr, tau_ptr, stride_x, stride_keep, stride_tau, n_rea
     tau = tl.load(tau_ptr + row64 * stride_tau) if HAS_TAU else 1.0
     start = tl.program_id(1) * cols_per_program
     stop = tl.minimum(start + cols_per_program, n_real)
-    return row, x_ptr + row64 * stride_x, keep_ptr + row64 * stride_keep, tau, start, stop
+    x_row = _row_ptr(x_ptr, row64, rows_inner, stride_x_outer, stride_x)
+    keep_row = _row_ptr(keep_ptr, row64, rows_inner, stride_keep_outer, stride_keep)
+    return row, x_row, keep_row, tau, start, stop
 
 
 # --- 2. the max pass ---
@@ -221,9 +232,12 @@ def row_max_kernel(
     keep_ptr,  # [N, V_local] uint8 keep mask (unused unless HAS_KEEP)
     tau_ptr,  # [N] fp32 temperature, stride_tau 0 for a scalar (unused unless HAS_TAU)
     out_ptr,  # [N, num_programs(1)] fp32 partial maxima
-    stride_x,
+    stride_x,  # between rows of a block
     stride_keep,
     stride_tau,
+    rows_inner,  # rows per block (_row_ptr)
+    stride_x_outer,  # between blocks of rows
+    stride_keep_outer,
     n_real,  # local columns below the padding
     cols_per_program,  # a multiple of BLOCK_V
     IS_BF16: tl.constexpr,
@@ -232,8 +246,8 @@ def row_max_kernel(
     BLOCK_V: tl.constexpr,
 ):
     row, x_row, keep_row, tau, start, stop = _row_span(
-        x_ptr, keep_ptr, tau_ptr, stride_x, stride_keep, stride_tau, n_real, cols_per_program,
-        HAS_TAU,
+        x_ptr, keep_ptr, tau_ptr, stride_x, stride_keep, stride_tau, rows_inner, stride_x_outer,
+        stride_keep_outer, n_real, cols_per_program, HAS_TAU,
     )  # fmt: skip
     offs = tl.arange(0, BLOCK_V)
     acc = tl.full([BLOCK_V], float("-inf"), tl.float32)
@@ -259,9 +273,12 @@ def partials_kernel(
     target_ptr,  # [N] int64 global target ids
     table_ptr,  # [32] fp64 contract.EXP2_TABLE
     out_ptr,  # [N, num_programs(1), NUM_COLS] int64 partial records
-    stride_x,
+    stride_x,  # between rows of a block
     stride_keep,
     stride_tau,
+    rows_inner,  # rows per block (_row_ptr)
+    stride_x_outer,  # between blocks of rows
+    stride_keep_outer,
     n_real,  # local columns below the padding
     vocab_start,
     ignore_index,
@@ -273,8 +290,8 @@ def partials_kernel(
     BLOCK_V: tl.constexpr,
 ):
     row, x_row, keep_row, tau, start, stop = _row_span(
-        x_ptr, keep_ptr, tau_ptr, stride_x, stride_keep, stride_tau, n_real, cols_per_program,
-        HAS_TAU,
+        x_ptr, keep_ptr, tau_ptr, stride_x, stride_keep, stride_tau, rows_inner, stride_x_outer,
+        stride_keep_outer, n_real, cols_per_program, HAS_TAU,
     )  # fmt: skip
     row64, part = row.to(tl.int64), tl.program_id(1)
     m64 = tl.load(max_ptr + row).to(tl.float64)
@@ -514,9 +531,12 @@ def grad_kernel(
     coef_l_ptr,  # [N] fp64 g_lse
     row_nan_ptr,  # [N] uint8
     out_ptr,  # [N, V_local] contiguous, written as int32 / int16 bit patterns
-    stride_x,
+    stride_x,  # between rows of a block
     stride_keep,
     stride_tau,
+    rows_inner,  # rows per block (_row_ptr)
+    stride_x_outer,  # between blocks of rows
+    stride_keep_outer,
     n_cols,
     n_real,
     vocab_start,
@@ -535,7 +555,8 @@ def grad_kernel(
     real = cols < n_real
     tau = tl.load(tau_ptr + row64 * stride_tau) if HAS_TAU else 1.0
     y, valid = _scaled(
-        x_ptr + row64 * stride_x, keep_ptr + row64 * stride_keep, cols, real, tau,
+        _row_ptr(x_ptr, row64, rows_inner, stride_x_outer, stride_x),
+        _row_ptr(keep_ptr, row64, rows_inner, stride_keep_outer, stride_keep), cols, real, tau,
         IS_BF16, HAS_TAU, HAS_KEEP,
     )  # fmt: skip
     dz, term = _terms(y, valid, tl.load(max_ptr + row).to(tl.float64))

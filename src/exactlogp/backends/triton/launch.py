@@ -21,7 +21,7 @@ import torch
 
 from ... import contract
 from ...contract import GradStats
-from ..base import Backend, ShardPlan
+from ..base import Backend, ShardPlan, num_rows
 from . import kernels
 
 
@@ -77,12 +77,22 @@ def interpreted() -> bool:
 
 @dataclass(frozen=True)
 class _Prepared:
-    x: torch.Tensor  # logits with unit column stride; bf16 viewed as int16
-    keep: torch.Tensor  # uint8 keep mask, or a stand-in pointer
+    x: torch.Tensor  # logits rows (N, V) or (B, T, V), unit column stride; bf16 as int16
+    keep: torch.Tensor  # uint8 keep mask shaped like x, or a stand-in pointer
     tau: torch.Tensor  # fp32 (N,) or (1,)
     stride_tau: int
     has_tau: bool
     n_real: int  # local columns below the padding
+    rows: int  # N
+
+    def row_args(self) -> tuple[int, ...]:
+        """stride_x, stride_keep, stride_tau, rows_inner, stride_x_outer, stride_keep_outer
+        of the kernels (kernels._row_ptr): rows read in place, in one or two levels."""
+        x, keep = self.x, self.keep
+        if x.dim() == 2:
+            return (x.stride(0), keep.stride(0), self.stride_tau, max(self.rows, 1), 0, 0)
+        return (x.stride(1), keep.stride(-2), self.stride_tau, max(x.shape[1], 1), x.stride(0),
+                keep.stride(0))  # fmt: skip
 
 
 def _prepare(logits, temperature, keep_mask, plan: ShardPlan) -> _Prepared:
@@ -104,7 +114,7 @@ def _prepare(logits, temperature, keep_mask, plan: ShardPlan) -> _Prepared:
     n_real = num_cols
     if plan.vocab_size is not None:
         n_real = max(0, min(num_cols, plan.vocab_size - plan.vocab_start))
-    return _Prepared(x, keep, tau, stride_tau, has_tau, n_real)
+    return _Prepared(x, keep, tau, stride_tau, has_tau, n_real, num_rows(logits))
 
 
 def _grad_temperature(temperature, prep: _Prepared) -> torch.Tensor:
@@ -164,7 +174,7 @@ def _launch_options(cfg: LaunchConfig) -> dict:
 
 def row_max(logits, temperature, keep_mask, plan: ShardPlan, cfg=None):
     """Backend.row_max; `cfg` None means the dtype's fixed configuration (tests vary it)."""
-    n = logits.shape[0]
+    n = num_rows(logits)
     if n == 0 or logits.shape[-1] == 0:
         return torch.full((n,), float("-inf"), dtype=torch.float32, device=logits.device)
     cfg = cfg or CONFIGS[logits.dtype].max_pass
@@ -172,8 +182,7 @@ def row_max(logits, temperature, keep_mask, plan: ShardPlan, cfg=None):
     parts, per_program = _programs_per_row(n, prep.n_real, cfg, logits.device)
     out = torch.empty(n, parts, dtype=torch.float32, device=logits.device)
     kernels.row_max_kernel[(n, parts)](
-        prep.x, prep.keep, prep.tau, out,
-        prep.x.stride(0), prep.keep.stride(0), prep.stride_tau, prep.n_real, per_program,
+        prep.x, prep.keep, prep.tau, out, *prep.row_args(), prep.n_real, per_program,
         **_common(prep, keep_mask, logits.dtype), **_launch_options(cfg),
     )  # fmt: skip
     return out[:, 0] if parts == 1 else out.amax(dim=1)
@@ -181,7 +190,7 @@ def row_max(logits, temperature, keep_mask, plan: ShardPlan, cfg=None):
 
 def partials(logits, target, temperature, keep_mask, row_max_, plan, cfg=None):
     """Backend.partials; the programs sharing a row are summed exactly (int64)."""
-    n = logits.shape[0]
+    n = num_rows(logits)
     if n == 0 or logits.shape[-1] == 0:
         return torch.zeros(n, contract.NUM_COLS, dtype=torch.int64, device=logits.device)
     cfg = cfg or CONFIGS[logits.dtype].partials
@@ -191,8 +200,7 @@ def partials(logits, target, temperature, keep_mask, row_max_, plan, cfg=None):
     kernels.partials_kernel[(n, parts)](
         prep.x, prep.keep, prep.tau, row_max_.to(torch.float32).contiguous(),
         target.to(torch.int64).contiguous(), contract.exp2_table(logits.device), out,
-        prep.x.stride(0), prep.keep.stride(0), prep.stride_tau,
-        prep.n_real, plan.vocab_start, plan.ignore_index, per_program,
+        *prep.row_args(), prep.n_real, plan.vocab_start, plan.ignore_index, per_program,
         WITH_ENTROPY=plan.with_entropy,
         **_common(prep, keep_mask, logits.dtype), **_launch_options(cfg),
     )  # fmt: skip
@@ -201,10 +209,10 @@ def partials(logits, target, temperature, keep_mask, row_max_, plan, cfg=None):
 
 def grad(logits, target, temperature, keep_mask, stats: GradStats, plan: ShardPlan, cfg=None):
     """Backend.grad: one program per (row, block of columns), written as bit patterns."""
-    n, num_cols = logits.shape
+    n, num_cols = num_rows(logits), logits.shape[-1]
     out = torch.empty(n, num_cols, dtype=logits.dtype, device=logits.device)
     if n == 0 or num_cols == 0:
-        return out
+        return out.view(logits.shape)
     cfg = cfg or CONFIGS[logits.dtype].grad
     prep = _prepare(logits, temperature, keep_mask, plan)
     kind, bits_dtype = _GRAD_KIND[logits.dtype]
@@ -216,13 +224,12 @@ def grad(logits, target, temperature, keep_mask, stats: GradStats, plan: ShardPl
         contract.exp2_table(logits.device), stats.row_max.to(torch.float32).contiguous(),
         f64(stats.s_hi), f64(stats.s_lo), f64(stats.log_s), f64(stats.entropy64),
         f64(stats.coef_a), f64(stats.coef_b), f64(stats.coef_t), f64(stats.coef_l),
-        stats.row_nan.to(torch.uint8).contiguous(), out.view(bits_dtype),
-        prep.x.stride(0), prep.keep.stride(0), prep.stride_tau,
+        stats.row_nan.to(torch.uint8).contiguous(), out.view(bits_dtype), *prep.row_args(),
         num_cols, prep.n_real, plan.vocab_start, plan.ignore_index,
         WITH_ENTROPY=plan.with_entropy, OUT_KIND=kind,
         **_common(prep, keep_mask, logits.dtype), **_launch_options(cfg),
     )  # fmt: skip
-    return out
+    return out.view(logits.shape)
 
 
 # --- 7. finalize ---
