@@ -320,19 +320,22 @@ def _row_values(target: torch.Tensor, temperature) -> torch.Tensor:
 
 def _call_values(key: int, group: distributed.Group, layout: Layout, device) -> torch.Tensor:
     """(2 * 3 + 2 * size,) fp32: the key chunks and their negations, then this rank's start
-    and width at its own index among -1s. Built once per distinct call on each device, so
-    a GPU call copies nothing from the host after its first."""
+    and width at its own index among -1s. Built once per distinct call on each device, and
+    built on the device by fills, never copied from host memory: a first call inside CUDA
+    graph capture may build it."""
     cache_key = (device, key, group.rank, group.size, layout.vocab_start, layout.num_cols)
     found = _constants.get(cache_key)
     if found is None:
         chunks = [float((key >> (16 * i)) & 0xFFFF) for i in range(_KEY_CHUNKS)]
-        one_hot = [-1.0] * (2 * group.size)
-        one_hot[group.rank] = float(layout.vocab_start)
-        one_hot[group.size + group.rank] = float(layout.num_cols)
-        values = chunks + [-c for c in chunks] + one_hot
+        found = torch.full((2 * _KEY_CHUNKS + 2 * group.size,), -1.0, device=device)
+        for i, chunk in enumerate(chunks):
+            found[i].fill_(chunk)
+            found[_KEY_CHUNKS + i].fill_(-chunk)
+        found[2 * _KEY_CHUNKS + group.rank].fill_(float(layout.vocab_start))
+        found[2 * _KEY_CHUNKS + group.size + group.rank].fill_(float(layout.num_cols))
         if len(_constants) > 256:
             _constants.clear()
-        found = _constants[cache_key] = torch.tensor(values, dtype=torch.float32, device=device)
+        _constants[cache_key] = found
     return found
 
 

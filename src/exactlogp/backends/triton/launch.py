@@ -172,6 +172,21 @@ def _launch_options(cfg: LaunchConfig) -> dict:
 # --- the three local passes ---
 
 
+def _on_device(fn):
+    """Launch on the device of the tensors: Triton launches on the current CUDA device, so
+    a call with tensors on cuda:1 while cuda:0 is current must switch (and switch back)."""
+
+    @functools.wraps(fn)
+    def launch_there(first, *args, **kwargs):
+        if first.device.type != "cuda":
+            return fn(first, *args, **kwargs)
+        with torch.cuda.device(first.device):
+            return fn(first, *args, **kwargs)
+
+    return launch_there
+
+
+@_on_device
 def row_max(logits, temperature, keep_mask, plan: ShardPlan, cfg=None):
     """Backend.row_max; `cfg` None means the dtype's fixed configuration (tests vary it)."""
     n = num_rows(logits)
@@ -188,6 +203,7 @@ def row_max(logits, temperature, keep_mask, plan: ShardPlan, cfg=None):
     return out[:, 0] if parts == 1 else out.amax(dim=1)
 
 
+@_on_device
 def partials(logits, target, temperature, keep_mask, row_max_, plan, cfg=None):
     """Backend.partials; the programs sharing a row are summed exactly (int64)."""
     n = num_rows(logits)
@@ -207,6 +223,7 @@ def partials(logits, target, temperature, keep_mask, row_max_, plan, cfg=None):
     return out[:, 0] if parts == 1 else out.sum(dim=1)
 
 
+@_on_device
 def grad(logits, target, temperature, keep_mask, stats: GradStats, plan: ShardPlan, cfg=None):
     """Backend.grad: one program per (row, block of columns), written as bit patterns."""
     n, num_cols = num_rows(logits), logits.shape[-1]
@@ -235,6 +252,7 @@ def grad(logits, target, temperature, keep_mask, stats: GradStats, plan: ShardPl
 # --- 7. finalize ---
 
 
+@_on_device
 def finalize(
     row_max,
     record,
