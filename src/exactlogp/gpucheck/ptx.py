@@ -44,7 +44,7 @@ from triton.compiler import ASTSource
 
 from .. import contract
 from ..backends import ShardPlan
-from ..backends.triton import kernels, launch
+from ..backends.triton import kernels, launch, value_tables
 
 INTERPRETED = "run without TRITON_INTERPRET=1: the check compiles the kernels"
 
@@ -54,7 +54,7 @@ ROWS, VOCAB, SMS = 1024, 151936, 132
 
 @dataclass(frozen=True)
 class Variant:
-    kernel: str  # "row_max" | "partials" | "grad" | "finalize"
+    kernel: str  # "row_max" | "partials" | "grad" | "finalize" | "tables" | "tables_grad"
     dtype: torch.dtype | None  # of the logits; None for finalize, which reads none
     flags: tuple[str, ...] = ()  # "tau", "keep", "entropy"; finalize: "vocab_size", "bad_tau"
 
@@ -71,6 +71,10 @@ def variants(quick: bool) -> list[Variant]:
         Variant("partials", bf16, ("tau", "keep", "entropy")),
         Variant("finalize", None, ("vocab_size", "bad_tau", "disagree")),
         Variant("grad", bf16, ("tau", "keep", "entropy")),
+        # value tables (value_tables.py): count, list and sums; count, list, the values'
+        # gradients, the gather and the target column
+        Variant("tables", bf16, ("tau", "keep", "entropy")),
+        Variant("tables_grad", bf16, ("tau", "keep", "entropy")),
     ]
     if quick:
         return full
@@ -82,6 +86,8 @@ def variants(quick: bool) -> list[Variant]:
         Variant("finalize", None),
         Variant("grad", f16),
         Variant("grad", f32, ("tau", "keep", "entropy")),
+        Variant("tables", f16),
+        Variant("tables_grad", f16, ("entropy",)),
     ]
 
 
@@ -98,29 +104,35 @@ class _Capture:
         return lambda *args, **kwargs: self.calls.append((self.fn, args, kwargs))
 
 
-_KERNELS = ("row_max_kernel", "partials_kernel", "finalize_kernel", "grad_kernel")
+_KERNELS = {
+    kernels: ("row_max_kernel", "partials_kernel", "finalize_kernel", "grad_kernel"),
+    value_tables: ("count_kernel", "list_kernel", "sums_kernel", "grad_values_kernel",
+                   "gather_kernel", "grad_target_kernel"),
+}  # fmt: skip
 
 
-def launched(v: Variant, rows: int = ROWS, vocab: int = VOCAB, sms: int = SMS) -> tuple:
-    """(kernel, args, kwargs) of the launch the Triton backend makes for `v` on `rows` x
-    `vocab` logits on a GPU of `sms` multiprocessors, from launch.py itself: uninitialised
-    CPU tensors of the real dtypes, shapes and strides stand in for the device ones (the
-    compile specialises on dtypes, pointer alignment and which integers are 1 or multiples
-    of 16, never on values in memory)."""
+def launched(v: Variant, rows: int = ROWS, vocab: int = VOCAB, sms: int = SMS) -> list:
+    """[(kernel, args, kwargs)] of the launches the Triton backend makes for `v` on `rows`
+    x `vocab` logits on a GPU of `sms` multiprocessors (the first of each kernel), from the
+    launch code itself: uninitialised CPU tensors of the real dtypes, shapes and strides
+    stand in for the device ones (the compile specialises on dtypes, pointer alignment and
+    which integers are 1 or multiples of 16, never on values in memory)."""
     calls: list = []
-    saved = {name: getattr(kernels, name) for name in _KERNELS}
+    saved = {(m, name): getattr(m, name) for m, names in _KERNELS.items() for name in names}
     saved_programs = launch._target_programs
     try:
-        for name in _KERNELS:
-            setattr(kernels, name, _Capture(saved[name], calls))
+        for (module, name), fn in saved.items():
+            setattr(module, name, _Capture(fn, calls))
         launch._target_programs = lambda device: launch.PROGRAMS_PER_SM * sms
         _launch(v, rows, vocab)
     finally:
-        for name, fn in saved.items():
-            setattr(kernels, name, fn)
+        for (module, name), fn in saved.items():
+            setattr(module, name, fn)
         launch._target_programs = saved_programs
-    (call,) = calls
-    return call
+    first = {}
+    for fn, args, kwargs in calls:
+        first.setdefault(fn, (fn, args, kwargs))
+    return list(first.values())
 
 
 def _launch(v: Variant, rows: int, vocab: int) -> None:
@@ -139,15 +151,19 @@ def _launch(v: Variant, rows: int, vocab: int) -> None:
     tau = 0.7 if "tau" in v.flags else 1.0
     keep = empty(rows, vocab, dtype=torch.bool) if "keep" in v.flags else None
     plan = ShardPlan(0, None, -100, "entropy" in v.flags)
+    f64 = [empty(rows, dtype=torch.float64) for _ in range(8)]
+    stats = contract.GradStats(row_max, *f64, empty(rows, dtype=torch.bool),
+                               empty(rows, dtype=torch.bool))  # fmt: skip
     if v.kernel == "row_max":
         launch.row_max(logits, tau, keep, plan)
     elif v.kernel == "partials":
         launch.partials(logits, target, tau, keep, row_max, plan)
-    else:
-        f64 = [empty(rows, dtype=torch.float64) for _ in range(8)]
-        stats = contract.GradStats(row_max, *f64, empty(rows, dtype=torch.bool),
-                                   empty(rows, dtype=torch.bool))  # fmt: skip
+    elif v.kernel == "grad":
         launch.grad(logits, target, tau, keep, stats, plan)
+    elif v.kernel == "tables":
+        value_tables.sums(logits, target, tau, keep, None, plan)
+    else:
+        value_tables.grad(logits, target, tau, keep, stats, plan)
 
 
 def compile_launched(fn, args: tuple, kwargs: dict, arch: int):
@@ -246,20 +262,31 @@ def sass_report(cubin: bytes) -> tuple[int | None, str | None, dict]:
     return (int(regs.group(1)) if regs else None), (spill.group(1) if spill else None), counts
 
 
-def compile_and_check(v: Variant, arch: int) -> Result:
-    fn, args, kwargs = launched(v)
-    if kwargs.get("enable_fp_fusion") is not False:
-        raise RuntimeError(f"{v.name}: launched without enable_fp_fusion=False")
-    compiled = compile_launched(fn, args, kwargs, arch)
-    ptx, llir = compiled.asm["ptx"], compiled.asm.get("llir", "")
-    res = Result(variant=v.name, ok=True, problems=check_ptx(ptx, llir, v.kernel))
-    res.f64_ops_ptx = len(re.findall(r"\b(add|sub|mul)\.rn\.f64\b", ptx))
-    res.f64_div_ptx = len(re.findall(r"\bdiv\.rn\.f64\b", ptx))
-    res.registers, res.spills, res.sass_counts = sass_report(compiled.asm.get("cubin", b""))
-    if v.kernel in ("row_max", "partials") and res.sass_counts.get("DFMA"):
-        res.problems.append(f"{res.sass_counts['DFMA']} DFMA in SASS")
-    res.ok = not res.problems
-    return res
+# kernels without an fp64 division: no DFMA may appear in their SASS at all
+_NO_DIVISION = {"row_max_kernel", "partials_kernel", "count_kernel", "list_kernel",
+                "sums_kernel", "gather_kernel"}  # fmt: skip
+
+
+def compile_and_check(v: Variant, arch: int) -> list[Result]:
+    results = []
+    calls = launched(v)
+    for fn, args, kwargs in calls:
+        name = v.name if len(calls) == 1 else f"{v.name}:{fn.__name__.removesuffix('_kernel')}"
+        uses_fp = "enable_fp_fusion" in kwargs or fn.__name__ not in ("count_kernel",
+                                                                      "list_kernel", "gather_kernel")  # fmt: skip
+        if uses_fp and kwargs.get("enable_fp_fusion") is not False:
+            raise RuntimeError(f"{name}: launched without enable_fp_fusion=False")
+        compiled = compile_launched(fn, args, kwargs, arch)
+        ptx, llir = compiled.asm["ptx"], compiled.asm.get("llir", "")
+        res = Result(variant=name, ok=True, problems=check_ptx(ptx, llir, v.kernel))
+        res.f64_ops_ptx = len(re.findall(r"\b(add|sub|mul)\.rn\.f64\b", ptx))
+        res.f64_div_ptx = len(re.findall(r"\bdiv\.rn\.f64\b", ptx))
+        res.registers, res.spills, res.sass_counts = sass_report(compiled.asm.get("cubin", b""))
+        if fn.__name__ in _NO_DIVISION and res.sass_counts.get("DFMA"):
+            res.problems.append(f"{res.sass_counts['DFMA']} DFMA in SASS")
+        res.ok = not res.problems
+        results.append(res)
+    return results
 
 
 def markdown(results: list[Result], arch: int) -> str:
@@ -284,7 +311,7 @@ def check(arch: int, quick: bool) -> list[Result]:
     """Every variant compiled for sm_`arch` and checked; raises where it cannot compile."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise RuntimeError(INTERPRETED)
-    return [compile_and_check(v, arch) for v in variants(quick)]
+    return [r for v in variants(quick) for r in compile_and_check(v, arch)]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,7 +21,7 @@ import torch
 
 from ... import contract
 from ...contract import GradStats
-from ..base import Backend, ShardPlan, num_rows
+from ..base import Backend, ShardPlan, bad_temperature, num_rows
 from . import kernels
 
 
@@ -294,10 +294,41 @@ def finalize(
     return out
 
 
+# GPUs whose fp64 rate is a good share of their fp32 rate (P100, V100, A100, H100/H200,
+# B200): the direct kernels. Every other GPU (T4, A10, L4, L40S, consumer parts, fp64-poor
+# newer parts) takes the value tables for 16-bit rows of at least TABLE_MIN_COLS columns.
+FP64_RICH_CAPABILITIES = {(6, 0), (7, 0), (8, 0), (9, 0), (10, 0)}
+TABLE_MIN_COLS = 8192
+_TABLE_MODES = ("auto", "always", "never")
+
+
 class TritonBackend(Backend):
-    """the contract on a GPU through Triton (or on CPU tensors under TRITON_INTERPRET=1)."""
+    """the contract on a GPU through Triton (or on CPU tensors under TRITON_INTERPRET=1).
+
+    `value_tables`: "auto" (16-bit rows of at least TABLE_MIN_COLS columns on GPUs outside
+    FP64_RICH_CAPABILITIES), "always" (16-bit rows) or "never" -- a speed choice only:
+    every mode gives the same bits (value_tables.py)."""
 
     name = "triton"
+
+    def __init__(self, value_tables: str = "auto"):
+        if value_tables not in _TABLE_MODES:
+            raise ValueError(f"value_tables must be one of {_TABLE_MODES}, got {value_tables!r}")
+        self.value_tables = value_tables
+
+    def uses_tables(self, logits, plan: ShardPlan) -> bool:
+        from . import value_tables
+
+        if not value_tables.supports(logits.dtype) or self.value_tables == "never":
+            return False
+        if self.value_tables == "always":
+            return True
+        n_real = logits.shape[-1] if plan.vocab_size is None else plan.vocab_size - plan.vocab_start
+        return (
+            logits.device.type == "cuda"
+            and min(n_real, logits.shape[-1]) >= TABLE_MIN_COLS
+            and torch.cuda.get_device_capability(logits.device) not in FP64_RICH_CAPABILITIES
+        )
 
     def supports(self, device: torch.device) -> bool:
         return self.unsupported_reason(device) is None
@@ -318,7 +349,23 @@ class TritonBackend(Backend):
         return row_max(logits, temperature, keep_mask, plan)
 
     def partials(self, logits, target, temperature, keep_mask, row_max_, plan):
+        if self.uses_tables(logits, plan):
+            return _tables_on_device(logits, "sums")(
+                logits, target, temperature, keep_mask, row_max_, plan
+            )[1]
         return partials(logits, target, temperature, keep_mask, row_max_, plan)
+
+    def forward_unsharded(self, logits, target, temperature, keep_mask, plan):
+        if not self.uses_tables(logits, plan):
+            return super().forward_unsharded(logits, target, temperature, keep_mask, plan)
+        row_max, record = _tables_on_device(logits, "sums")(
+            logits, target, temperature, keep_mask, None, plan
+        )  # the max comes from the row's distinct values: one read of the logits less
+        fin = self.finalize(
+            row_max, record, target, plan.vocab_size, plan.ignore_index,
+            bad_temperature(temperature),
+        )  # fmt: skip
+        return row_max, record, fin
 
     def finalize(
         self, row_max, record, target, vocab_size, ignore_index, bad_temperature,
@@ -329,4 +376,15 @@ class TritonBackend(Backend):
         )
 
     def grad(self, logits, target, temperature, keep_mask, stats: GradStats, plan):
+        if self.uses_tables(logits, plan):
+            return _tables_on_device(logits, "grad")(
+                logits, target, temperature, keep_mask, stats, plan
+            )
         return grad(logits, target, temperature, keep_mask, stats, plan)
+
+
+def _tables_on_device(logits, name: str):
+    """value_tables.<name>, launched under the logits' device."""
+    from . import value_tables
+
+    return _on_device(getattr(value_tables, name))
