@@ -65,7 +65,8 @@ def test_compiled_constants_are_contract_constants(cpu):
     expected = cpu_build.expected_constants()
     assert [v.hex() for v in compiled] == [v.hex() for v in expected]
     assert expected[:2] == [contract.CUTOFF, contract.MAGIC]
-    assert len(expected) == 6 + len(contract.EXP2_TABLE) + len(contract.EXP_POLY) + 10
+    tables = len(contract.EXP2_TABLE) + len(contract.EXP_POLY) + len(contract.LOG_POLY)
+    assert len(expected) == 11 + tables + 17
 
 
 def test_header_is_generated_from_contract():
@@ -229,6 +230,36 @@ def test_non_contiguous_inputs_are_read_not_changed(cpu):
         assert_bitwise_equal(x, before, f"{what} input unchanged")
 
 
+def test_strided_rows_are_read_in_place(cpu):
+    """logits[:, :-1, :] of (B, T + 1, V) logits, whose rows are not evenly spaced: the
+    kernels read them where they are (no copy of the logits) with the reference's bits,
+    forward and backward, and a keep mask sliced alike."""
+    from exactlogp.backends.base import row_view
+
+    full, _ = llm_like_logits(3 * 6, 20000, torch.bfloat16, seed=23)
+    full = full.view(3, 6, 20000)
+    gen = torch.Generator().manual_seed(24)
+    target = torch.randint(0, 20000, (3, 5), generator=gen)
+    keep = torch.rand(3, 6, 20000, generator=gen) < 0.8
+    keep[:, :-1][torch.arange(3)[:, None], torch.arange(5)[None, :], target] = True
+    rows = row_view(full[:, :-1, :])
+    assert rows.dim() == 3 and rows.data_ptr() == full.data_ptr()
+    shard, alive = cpu._shard(rows, 1.0, None, ShardPlan(0, None, -100, False), "forward")
+    assert alive[0].data_ptr() == full.data_ptr()  # read in place
+    results = []
+    for backend in ("cpu", "reference"):
+        leaf = full.clone().requires_grad_(True)
+        res = exactlogp.selected_logprobs(
+            leaf[:, :-1, :], target, keep_mask=keep[:, :-1, :], temperature=0.7,
+            with_entropy=True, backend=backend,
+        )  # fmt: skip
+        (res.logprobs.sum() + 0.5 * res.entropy.sum() - 0.25 * res.lse.sum()).backward()
+        results.append([o.detach() for o in res] + [leaf.grad])
+    for name, a, b in zip(("logprobs", "entropy", "lse", "grad"), *results, strict=True):
+        assert_bitwise_equal(a, b, name)
+    assert (results[0][3][:, -1] == 0).all()
+
+
 # --- the three passes directly, on shards with offsets, padding and nothing at all ---
 
 
@@ -349,20 +380,62 @@ def test_every_fp16_value_in_one_row(cpu, ref):
             _assert_passes_equal(a, b, f"every fp16 value, nan_rows={nan_rows}")
             finite = torch.isfinite(a[2].float()).sum(-1)
             assert (finite > 60000).all() if not nan_rows else (finite == 0).all()
+        _assert_unsharded_equal(cpu, ref, x, target, kw["tau"], kw["keep"], plan, "every fp16")
+
+
+def _assert_unsharded_equal(cpu, ref, x, target, tau, keep, plan, what):
+    """The fused whole-vocabulary forward: row max, record and every Finalized field."""
+    a = cpu.forward_unsharded(x, target, tau, keep, plan)
+    b = ref.forward_unsharded(x, target, tau, keep, plan)
+    assert_bitwise_equal(a[0], b[0], f"{what}: row max")
+    assert_bitwise_equal(a[1], b[1], f"{what}: record")
+    for field in contract.Finalized._fields:
+        assert_bitwise_equal(getattr(a[2], field), getattr(b[2], field), f"{what}: {field}")
 
 
 def test_auto_value_tables_match_reference_on_long_rows(ref):
-    """The default mode on rows past TABLE_MIN_COLS, and the fp32 rows it leaves alone."""
+    """The default mode on rows past every TABLE_MIN_COLS threshold, for each dtype and
+    for fp32 rows whose values are all exactly bf16 (read through the bf16 tables)."""
     from exactlogp.backends.cpu import TABLE_MIN_COLS, CpuBackend
 
     auto = CpuBackend(value_tables="auto")
-    cols = max(TABLE_MIN_COLS.values())
-    for dtype in DTYPES:
-        x, target = llm_like_logits(3, cols + 5, dtype, seed=12)
+    cols = max(v for per_dtype in TABLE_MIN_COLS.values() for v in per_dtype.values())
+    for dtype in (*DTYPES, "bf16 as fp32"):
+        bf16_as_fp32 = dtype == "bf16 as fp32"
+        x, target = llm_like_logits(3, cols + 5, torch.bfloat16 if bf16_as_fp32 else dtype, 12)
+        x = x.float() if bf16_as_fp32 else x
         plan = ShardPlan(0, cols + 1, -100, True)
         target = target.clamp(max=cols)
         _assert_passes_equal(_passes(auto, x, target, 0.8, None, plan),
                              _passes(ref, x, target, 0.8, None, plan), str(dtype))  # fmt: skip
+        _assert_unsharded_equal(auto, ref, x, target, 0.8, None, plan, str(dtype))
+
+
+def test_fp32_rows_of_bf16_values_take_the_bf16_tables(cpu, ref):
+    """fp32 rows whose values are all exactly bf16 (as after bf16_logits.float()) are
+    counted by their high halves; NaN, +-inf, -0, subnormals, keep masks, padding and
+    per-row temperatures included. One row holds a single value that is not bf16 (it
+    takes the direct loops), and its neighbours do not."""
+    every = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16)
+    bf16 = every.view(torch.bfloat16)
+    perm = torch.randperm(every.numel(), generator=torch.Generator().manual_seed(4))
+    rows = torch.stack([bf16[perm], bf16.flip(0), bf16.roll(7)]).float()
+    x, target = llm_like_logits(4, 65536, torch.bfloat16, seed=5)
+    x = torch.cat([rows, x.float()])
+    x[4, 1000] = 1.0 + 2**-20  # not a bf16 value: this row goes column by column
+    finite = torch.isfinite(x)
+    target = torch.stack([torch.nonzero(f)[11 + i, 0] for i, f in enumerate(finite)])
+    tau = 0.5 + torch.rand(7, generator=torch.Generator().manual_seed(6))
+    keep = torch.rand(x.shape, generator=torch.Generator().manual_seed(7)) < 0.9
+    keep[torch.arange(7), target] = True
+    target = target.clamp(max=65000)
+    for t, k in ((tau, None), (0.75, keep), (1.0, None)):
+        plan = ShardPlan(0, 65001, -100, True)
+        for nan_rows in (True, False):
+            _assert_passes_equal(_passes(cpu, x, target, t, k, plan, nan_rows=nan_rows),
+                                 _passes(ref, x, target, t, k, plan, nan_rows=nan_rows),
+                                 f"bf16 values in fp32, nan_rows={nan_rows}")  # fmt: skip
+        _assert_unsharded_equal(cpu, ref, x, target, t, k, plan, "bf16 values in fp32")
 
 
 # --- threads ---

@@ -35,6 +35,17 @@ def backends():
     return get_backend("reference", CPU), tri
 
 
+@pytest.fixture(params=["never", "always"], ids=["direct", "tables"])
+def mode(request, monkeypatch):
+    """The Triton backend's value-table mode (16-bit rows; fp32 rows stay direct), with
+    groups of two rows so that the tables' row groups are exercised too."""
+    from exactlogp.backends.triton import value_tables
+
+    monkeypatch.setattr(get_backend("triton", DEVICE), "value_tables", request.param)
+    monkeypatch.setattr(value_tables, "GROUP_ROWS", 2)
+    return request.param
+
+
 def _on(device, *tensors):
     return [t.to(device) if isinstance(t, torch.Tensor) else t for t in tensors]
 
@@ -66,14 +77,14 @@ def _assert_same_run(logits, target, **kwargs):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("with_entropy", [False, True], ids=["lp", "entropy"])
 @pytest.mark.parametrize("temperature", ["1", "0.7", "per_row"])
-def test_api_bits_equal_reference(backends, dtype, with_entropy, temperature):
+def test_api_bits_equal_reference(backends, mode, dtype, with_entropy, temperature):
     logits, target = testing.llm_like_logits(6, 700, dtype, seed=11)
     tau = {"1": 1.0, "0.7": 0.7, "per_row": torch.tensor([0.3, 0.7, 1.0, 1.3, 2.0, 0.9])}
     _assert_same_run(logits, target, with_entropy=with_entropy, temperature=tau[temperature])
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_api_keep_mask_padding_ignore_index(backends, dtype):
+def test_api_keep_mask_padding_ignore_index(backends, mode, dtype):
     logits, target = testing.llm_like_logits(5, 640, dtype, seed=12)
     gen = torch.Generator().manual_seed(1)
     keep = torch.rand(5, 640, generator=gen) > 0.3
@@ -86,7 +97,7 @@ def test_api_keep_mask_padding_ignore_index(backends, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_api_nan_inf_rows_without_validation(backends, dtype):
+def test_api_nan_inf_rows_without_validation(backends, mode, dtype):
     logits, target = testing.llm_like_logits(6, 300, dtype, seed=13)
     logits[0, 5] = float("nan")
     logits[1, 7] = float("inf")
@@ -108,10 +119,66 @@ def test_api_huge_and_tiny_logits(backends):
     _assert_same_run(logits[1:].bfloat16(), target[1:], temperature=1e36)
 
 
-def test_api_invalid_per_row_temperature_gives_nan_rows(backends):
+def test_api_invalid_per_row_temperature_gives_nan_rows(backends, mode):
     logits, target = testing.llm_like_logits(4, 150, torch.bfloat16, seed=15)
     tau = torch.tensor([0.0, -1.0, float("nan"), 0.5])
     _assert_same_run(logits, target, with_entropy=True, validate=False, temperature=tau)
+
+
+def test_strided_rows_are_read_in_place(backends, mode):
+    """logits[:, :-1, :] of (B, T + 1, V) logits (rows not evenly spaced) with a keep mask
+    sliced alike: the kernels read them through two row strides, with the reference's
+    bits, and the gradient reaches the unsliced leaf."""
+    full, _ = testing.llm_like_logits(3 * 5, 300, torch.bfloat16, seed=21)
+    full = full.view(3, 5, 300)
+    gen = torch.Generator().manual_seed(22)
+    target = torch.randint(0, 300, (3, 4), generator=gen)
+    keep = torch.rand(3, 5, 300, generator=gen) < 0.7
+    keep[:, :-1][torch.arange(3)[:, None], torch.arange(4)[None, :], target] = True
+    results = []
+    for backend, device in (("reference", CPU), ("triton", DEVICE)):
+        leaf = full.to(device).requires_grad_(True)
+        x, mask, t = leaf[:, :-1, :], keep.to(device)[:, :-1, :], target.to(device)
+        res = exactlogp.selected_logprobs(
+            x, t, keep_mask=mask, temperature=0.7, with_entropy=True, backend=backend
+        )
+        (res.logprobs.sum() + 0.5 * res.entropy.sum() - 0.25 * res.lse.sum()).backward()
+        results.append([o.detach().cpu() for o in res] + [leaf.grad.cpu()])
+    for name, a, b in zip(("logprobs", "entropy", "lse", "grad"), *results, strict=True):
+        testing.assert_bitwise_equal(b, a, name)
+    assert (results[1][3][:, -1] == 0).all()
+
+
+def test_value_tables_hold_every_16_bit_value(backends, mode):
+    """Rows holding every bf16 / fp16 bit pattern (NaN, +-inf, -0, subnormals) with
+    temperatures that overflow large values to inf, a keep mask and padding: the max,
+    the record and every Finalized field of the whole forward, and the gradient of the
+    rows as if a gradient flowed into them (element by element over all 65536 values)."""
+    ref, tri = backends
+    every = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16)
+    perm = torch.randperm(every.numel(), generator=torch.Generator().manual_seed(2))
+    for dtype in (torch.bfloat16, torch.float16):
+        row = torch.cat([every[perm], every[:300]]).view(dtype)
+        x = torch.stack([row, row.flip(0), row.roll(17)])
+        finite = torch.isfinite(x.float())
+        target = torch.stack([torch.nonzero(f)[7 + i, 0] for i, f in enumerate(finite)])
+        keep = torch.rand(x.shape, generator=torch.Generator().manual_seed(3)) < 0.8
+        keep[torch.arange(3), target] = True
+        plan = ShardPlan(0, x.shape[1] - 3, -100, True)
+        for tau, mask in ((torch.tensor([1.0, 0.001, 3.5]), None), (0.25, keep)):
+            a = tri.forward_unsharded(*_on(DEVICE, x, target, tau, mask), plan)
+            b = ref.forward_unsharded(x, target, tau, mask, plan)
+            for name, u, v in zip(("max", "record", "fin"), a, b, strict=True):
+                for field in contract.Finalized._fields if name == "fin" else (None,):
+                    got = getattr(u, field) if field else u
+                    want = getattr(v, field) if field else v
+                    testing.assert_bitwise_equal(got.cpu(), want, f"{dtype} {name} {field}")
+            stats = contract.grad_stats(b[0], b[2], *(torch.randn(3, dtype=torch.float64)
+                                                      for _ in "abc"))  # fmt: skip
+            stats = stats._replace(row_nan=torch.zeros(3, dtype=torch.bool))
+            got = tri.grad(*_on(DEVICE, x, target, tau, mask), contract.GradStats(
+                *_on(DEVICE, *stats)), plan)  # fmt: skip
+            testing.assert_bitwise_equal(got.cpu(), ref.grad(x, target, tau, mask, stats, plan))
 
 
 # --- the local passes on shards: offsets, padding, masks, empty shards, split rows ---
@@ -194,7 +261,7 @@ def test_rows_split_across_programs(backends, monkeypatch):
 
 
 @pytest.mark.skipif(DEVICE.type == "cuda", reason="simulate_shards combines on the CPU")
-def test_simulated_tp_shards_match_whole_vocab(backends):
+def test_simulated_tp_shards_match_whole_vocab(backends, mode):
     logits, target = testing.llm_like_logits(5, 509, torch.bfloat16, seed=18)
     whole = testing.simulate_shards(logits, target, [0, 509], vocab_size=500, temperature=0.8)
     sharded = testing.simulate_shards(

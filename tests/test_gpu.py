@@ -51,3 +51,48 @@ def test_triton_validate_false_does_not_sync():
             exactlogp.selected_logprobs(x, t, backend="triton", **kwargs)
         finally:
             torch.cuda.set_sync_debug_mode("default")
+
+
+def test_warmed_up_call_is_captured_in_a_cuda_graph_with_the_eager_bits():
+    """After exactlogp.warmup of the shapes and options, the forward and backward are
+    captured in a CUDA graph (no compile, table copy or host sync inside the capture) and
+    the replay gives the eager bits, read from a strided logits[:, :-1, :] view."""
+    pytest.importorskip("triton", reason="Triton is not installed")
+    full, _ = llm_like_logits(4 * 9, 4096, torch.bfloat16, seed=5)
+    full = full.cuda().view(4, 9, 4096)
+    t = torch.randint(0, 4096, (4, 8), device="cuda")
+    exactlogp.warmup("cuda", (torch.bfloat16,), ((32, 4096),), with_entropy=(True,),
+                     temperatures=(0.7,))  # fmt: skip
+    leaf = full.clone().requires_grad_(True)
+
+    def step():
+        leaf.grad = None
+        res = exactlogp.selected_logprobs(leaf[:, :-1], t, validate=False, with_entropy=True,
+                                          temperature=0.7, backend="triton")  # fmt: skip
+        (res.logprobs.sum() + res.entropy.sum()).backward()
+        return res.logprobs, leaf.grad
+
+    eager = [v.clone() for v in step()]
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    graph.replay()
+    torch.cuda.synchronize()
+    for a, b in zip(captured, eager, strict=True):
+        assert_bitwise_equal(a, b)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_triton_runs_on_the_device_of_its_tensors():
+    pytest.importorskip("triton", reason="Triton is not installed")
+    x, t = llm_like_logits(8, 999, torch.bfloat16, seed=6)
+    want = exactlogp.selected_logprobs(x.cuda(0), t.cuda(0), backend="triton").logprobs
+    with torch.cuda.device(0):  # the current device is not the tensors' one
+        got = exactlogp.selected_logprobs(x.cuda(1), t.cuda(1), backend="triton").logprobs
+    assert got.device == torch.device("cuda", 1)
+    assert_bitwise_equal(got.cpu(), want.cpu())

@@ -39,8 +39,9 @@ def test_compiled_kernels_keep_the_contract(tmp_path):
     if done.returncode == 2:
         pytest.skip(f"Triton cannot compile for sm_90 here: {done.stdout.strip()}")
     assert done.returncode == 0, done.stdout + done.stderr
-    assert done.stdout.count("| yes |") == 4, done.stdout  # max, terms, finalize, gradient
-    assert "| finalize[" in done.stdout, done.stdout
+    # max, terms, finalize, gradient, and the value tables' kernels: all keep the contract
+    assert done.stdout.count("| yes |") == 12 and "| NO |" not in done.stdout, done.stdout
+    assert "| finalize[" in done.stdout and ":sums |" in done.stdout, done.stdout
 
 
 def test_gpu_check_runs_end_to_end_in_the_interpreter(tmp_path):

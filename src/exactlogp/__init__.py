@@ -3,6 +3,7 @@
 from .api import LogprobResult, SelectedLogprobs, selected_logprobs
 from .contract import CONTRACT
 from .linear import LOGITS_CONTRACT, linear_logits, linear_selected_logprobs
+from .warmup import warmup
 
 __version__ = "0.1.0"
 
@@ -15,4 +16,5 @@ __all__ = [
     "linear_logits",
     "linear_selected_logprobs",
     "selected_logprobs",
+    "warmup",
 ]

@@ -23,9 +23,10 @@ Both checks cost no extra collective besides the all_gather of validate=True.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import struct
-from dataclasses import astuple, dataclass, fields
+from dataclasses import dataclass, fields
 from typing import NamedTuple
 
 import torch
@@ -57,9 +58,14 @@ class CallFields:
     logit_scale: int = 0  # linear_selected_logprobs: fp32 bits of logit_scale
     bias: int = 0  # linear_selected_logprobs: 1 when a bias was passed
 
+    def values(self) -> tuple[int, ...]:
+        """The fields in order (dataclasses.astuple without its deep copies)."""
+        return tuple(getattr(self, name) for name in FIELD_NAMES)
+
     def key(self) -> int:
         """48 bits that differ (but for a hash collision) whenever a field differs."""
-        raw = struct.pack(f"<{len(astuple(self))}q", *astuple(self))
+        values = self.values()
+        raw = struct.pack(f"<{len(values)}q", *values)
         return int.from_bytes(hashlib.sha256(raw).digest()[:6], "little")
 
 
@@ -75,6 +81,7 @@ def fp32_bits(value: float) -> int:
     return struct.unpack("<i", struct.pack("<f", value))[0]
 
 
+@functools.cache
 def contract_key(*versions: str) -> int:
     return int.from_bytes(hashlib.sha256("\0".join(versions).encode()).digest()[:6], "little")
 
@@ -158,7 +165,7 @@ def _pack(call: CallFields | None, layout: Layout | None, error: BaseException |
     vec = [0] * VECTOR_LEN
     vec[0], vec[1] = _MAGIC, int(error is not None)
     if call is not None:
-        vec[_HEAD:_LAYOUT] = astuple(call)
+        vec[_HEAD:_LAYOUT] = call.values()
     if layout is not None:
         vec[_LAYOUT : _LAYOUT + 3] = [layout.vocab_start, layout.num_cols, int(layout.start_given)]
     if error is not None:
@@ -318,19 +325,22 @@ def _row_values(target: torch.Tensor, temperature) -> torch.Tensor:
 
 def _call_values(key: int, group: distributed.Group, layout: Layout, device) -> torch.Tensor:
     """(2 * 3 + 2 * size,) fp32: the key chunks and their negations, then this rank's start
-    and width at its own index among -1s. Built once per distinct call on each device, so
-    a GPU call copies nothing from the host after its first."""
+    and width at its own index among -1s. Built once per distinct call on each device, and
+    built on the device by fills, never copied from host memory: a first call inside CUDA
+    graph capture may build it."""
     cache_key = (device, key, group.rank, group.size, layout.vocab_start, layout.num_cols)
     found = _constants.get(cache_key)
     if found is None:
         chunks = [float((key >> (16 * i)) & 0xFFFF) for i in range(_KEY_CHUNKS)]
-        one_hot = [-1.0] * (2 * group.size)
-        one_hot[group.rank] = float(layout.vocab_start)
-        one_hot[group.size + group.rank] = float(layout.num_cols)
-        values = chunks + [-c for c in chunks] + one_hot
+        found = torch.full((2 * _KEY_CHUNKS + 2 * group.size,), -1.0, device=device)
+        for i, chunk in enumerate(chunks):
+            found[i].fill_(chunk)
+            found[_KEY_CHUNKS + i].fill_(-chunk)
+        found[2 * _KEY_CHUNKS + group.rank].fill_(float(layout.vocab_start))
+        found[2 * _KEY_CHUNKS + group.size + group.rank].fill_(float(layout.num_cols))
         if len(_constants) > 256:
             _constants.clear()
-        found = _constants[cache_key] = torch.tensor(values, dtype=torch.float32, device=device)
+        _constants[cache_key] = found
     return found
 
 

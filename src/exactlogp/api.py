@@ -12,9 +12,10 @@ from typing import NamedTuple
 
 import torch
 
-from . import agreement, contract, distributed, validation
-from .autograd import Options, SelectedLogprobsFunction
+from . import agreement, autograd, contract, distributed, validation
+from .autograd import Options
 from .backends import ShardPlan, get_backend
+from .backends.base import row_view
 
 
 class LogprobResult(NamedTuple):
@@ -81,12 +82,13 @@ def selected_logprobs(
     with distributed.serialized(group):
         device = device_of(vocab_parallel_logits, group)
         call = agreement.checked(group, validate, device, prepare)
-        num_rows, num_cols = call.num_rows, call.num_cols
-        logprobs, entropy, lse = SelectedLogprobsFunction.apply(
-            vocab_parallel_logits.reshape(num_rows, num_cols),
+        # rows without a copy, also of strided views such as logits[:, :-1, :]
+        rows = row_view(vocab_parallel_logits)
+        logprobs, entropy, lse = autograd.selected_logprobs_rows(
+            rows,
             target.reshape(-1).to(torch.int64),
             call.temperature if isinstance(call.temperature, torch.Tensor) else None,
-            None if keep_mask is None else keep_mask.reshape(num_rows, num_cols),
+            None if keep_mask is None else keep_mask.reshape(rows.shape),
             call.temperature if not isinstance(call.temperature, torch.Tensor) else 1.0,
             call.options,
         )
@@ -156,7 +158,7 @@ def prepare_call(
         plan=ShardPlan(start, vocab_size, ignore_index, with_entropy),
         group=group,
         layout=layout,
-        call_key=fields.key(),
+        call_key=fields.key() if group.distributed else 0,  # rides the MAX only with a group
         validate=validate,
         backend=impl,
         target_shape=shape,

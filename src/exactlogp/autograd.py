@@ -3,6 +3,7 @@
 logits shard --backend.row_max--> (N,) fp32 --all_reduce(MAX) with the agreement fields--> M
 logits shard --backend.partials(M)--> (N, 8) int64 --all_reduce(SUM)--> record
 record --backend.finalize (= contract.finalize)--> logprobs, entropy, lse + row stats
+without a TP group: backend.forward_unsharded does all of the above (a backend may fuse it)
 backward: backend.grad(logits, stats) -- elementwise, no collective
 """
 
@@ -16,6 +17,7 @@ import torch
 
 from . import agreement, contract, distributed, validation
 from .backends import Backend, ShardPlan
+from .backends.base import bad_temperature
 
 
 @dataclass(frozen=True)
@@ -38,7 +40,7 @@ class Forward(NamedTuple):
 
 
 def forward_pipeline(
-    logits: torch.Tensor,  # (N, V_local)
+    logits: torch.Tensor,  # (N, V_local), or (B, T, V_local) rows (backends.base.row_view)
     target: torch.Tensor,  # (N,) int64
     temperature: float | torch.Tensor,  # float or (N,) fp32
     keep_mask: torch.Tensor | None,  # (N, V_local) bool
@@ -46,34 +48,37 @@ def forward_pipeline(
     row_fields: torch.Tensor | None = None,  # (k, N) more per-row values the ranks share
 ) -> Forward:
     plan, backend, group = opts.plan, opts.backend, opts.group
-    n = logits.shape[0]
-    # --- 1-2. exact global max; the agreement fields ride along ---
-    row_max = backend.row_max(logits, temperature, keep_mask, plan)
+    n = target.shape[0]
     ranks = None
-    if group.distributed:
+    if not group.distributed:  # the whole vocabulary is here: nothing crosses ranks
+        row_max, record, fin = backend.forward_unsharded(
+            logits, target, temperature, keep_mask, plan
+        )
+    else:
+        # --- 1-2. exact global max; the agreement fields ride along ---
+        row_max = backend.row_max(logits, temperature, keep_mask, plan)
         payload = agreement.max_payload(
             row_max, target, temperature, opts.call_key, group, opts.layout, row_fields
         )
         distributed.all_reduce_max_(payload, group)
         row_max, ranks = agreement.read_max(payload, n, group, plan.vocab_size, row_fields)
-    # --- 3-5. exact local record ---
-    record = backend.partials(logits, target, temperature, keep_mask, row_max, plan)
-    # --- 6. combine across ranks ---
-    if n:
-        distributed.all_reduce_sum_(record, group)
-    # --- 7. finish ---
-    bad_tau = None
-    if isinstance(temperature, torch.Tensor):
-        bad_tau = ~(torch.isfinite(temperature) & (temperature > 0))
-    fin = backend.finalize(
-        row_max, record, target, plan.vocab_size, plan.ignore_index, bad_tau,
-        None if ranks is None else ranks.poison,
-    )  # fmt: skip
+        # --- 3-5. exact local record ---
+        record = backend.partials(logits, target, temperature, keep_mask, row_max, plan)
+        # --- 6. combine across ranks ---
+        if n:
+            distributed.all_reduce_sum_(record, group)
+        # --- 7. finish ---
+        fin = backend.finalize(
+            row_max, record, target, plan.vocab_size, plan.ignore_index,
+            bad_temperature(temperature), ranks.poison,
+        )  # fmt: skip
     return Forward(row_max, fin, record, ranks)
 
 
 def validate_rows(forward: Forward, target, temperature, opts: Options) -> None:
     """validate=True: raise on every rank for the first bad row (one host sync)."""
+    if not bool(forward.fin.bad.any()):  # the one host sync of validation
+        return
     plan = opts.plan
     ctx = validation.RowContext(
         opts.target_shape, temperature, plan.vocab_size, plan.ignore_index,
@@ -110,6 +115,22 @@ def once_differentiable(backward):
     return wrapper
 
 
+def selected_logprobs_rows(logits, target, temperature_tensor, keep_mask, scalar_temperature, opts):
+    """SelectedLogprobsFunction.apply; where no gradient can flow (grad mode off, or logits
+    that do not require grad) its forward alone: the same outputs, without the autograd
+    bookkeeping that a small call would notice."""
+    if torch.is_grad_enabled() and logits.requires_grad:
+        return SelectedLogprobsFunction.apply(
+            logits, target, temperature_tensor, keep_mask, scalar_temperature, opts
+        )
+    temperature = scalar_temperature if temperature_tensor is None else temperature_tensor
+    forward = forward_pipeline(logits, target, temperature, keep_mask, opts)
+    if opts.validate:
+        validate_rows(forward, target, temperature, opts)
+    fin = forward.fin
+    return fin.logprobs, fin.entropy, fin.lse
+
+
 class SelectedLogprobsFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, temperature_tensor, keep_mask, scalar_temperature, opts):
@@ -143,4 +164,4 @@ class SelectedLogprobsFunction(torch.autograd.Function):
             ctx.scalar_temperature if temperature_tensor is None else temperature_tensor,
         )
         grad = opts.backend.grad(logits, target, temperature, keep_mask, stats, opts.plan)
-        return grad, None, None, None, None, None
+        return grad.view(logits.shape), None, None, None, None, None

@@ -19,6 +19,7 @@ result does not depend on the order of anything: see docs/numerics.md.
 from __future__ import annotations
 
 import math
+import struct
 from typing import NamedTuple
 
 import torch
@@ -91,8 +92,13 @@ BAD_RANKS = 64  # the ranks of the TP group disagree (a per-row value, or the ca
 
 
 def fp32_temperature(tau: float) -> float:
-    """The scalar temperature the contract uses: tau rounded to fp32 (RNE)."""
-    return float(torch.tensor(float(tau), dtype=torch.float32))
+    """The scalar temperature the contract uses: tau rounded to fp32 (RNE; past the fp32
+    range, +-inf)."""
+    tau = float(tau)
+    try:
+        return struct.unpack("<f", struct.pack("<f", tau))[0]  # a C cast: round to nearest even
+    except OverflowError:  # finite, but rounds past the largest fp32
+        return math.copysign(math.inf, tau)
 
 
 def scaled_logits(x: torch.Tensor, temperature: float | torch.Tensor) -> torch.Tensor:

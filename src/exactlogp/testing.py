@@ -91,6 +91,32 @@ def lm_head_inputs(
     return h, w, target
 
 
+def heavy_tailed_logits(
+    num_rows: int,
+    vocab: int,
+    dtype: torch.dtype = torch.bfloat16,
+    seed: int = 0,
+    device: str | torch.device = "cpu",
+    df: int = 3,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits with a Student-t bulk (`df` degrees of freedom, scale 2.5) and uniform
+    targets: far more columns near the top of a row than a Gaussian bulk gives, and
+    values spread over many more binades (more distinct values per row). Drawn in blocks
+    of rows, so the draw needs no more than a few (rows, V) fp32 blocks of memory."""
+    device = torch.device(device)
+    gen = torch.Generator(device).manual_seed(seed)
+    x = torch.empty(num_rows, vocab, dtype=dtype, device=device)
+    block = max(1, (1 << 22) // max(vocab, 1))
+    for r in range(0, num_rows, block):
+        rows = min(block, num_rows - r)
+        z = torch.randn(rows, vocab, generator=gen, device=device)
+        chi2 = torch.zeros_like(z)
+        for _ in range(df):
+            chi2 += torch.randn(rows, vocab, generator=gen, device=device) ** 2
+        x[r : r + rows] = (2.5 * z / torch.sqrt(chi2 / df)).to(dtype)
+    return x, torch.randint(0, vocab, (num_rows,), generator=gen, device=device)
+
+
 def python_random_logits(
     num_rows: int, vocab: int, dtype: torch.dtype, seed: int
 ) -> tuple[torch.Tensor, torch.Tensor]:

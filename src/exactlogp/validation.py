@@ -254,7 +254,7 @@ def raise_for_bad_rows(
     target: torch.Tensor,  # (N,)
     ctx: RowContext,
 ) -> None:
-    if not bool((bad != 0).any()):  # the one host sync of validation
+    if not bool(bad.any()):  # the one host sync of validation
         return
     rows = torch.nonzero(bad).flatten()
     row = int(rows[0])

@@ -18,7 +18,7 @@ _REGISTRY: dict[str, tuple[str, str]] = {
 # "auto" picks the first (name, device types or None for any) that loads and supports the
 # device; Triton is offered only for CUDA (on CPU it would run in its slow interpreter).
 _AUTO_ORDER = (("triton", ("cuda",)), ("cpu", ("cpu",)), ("reference", None))
-_cache: dict[str, Backend] = {}
+_cache: dict[str, Backend] = {}  # by name, and "auto:<device type>"
 
 
 def backend_names() -> tuple[str, ...]:
@@ -27,18 +27,11 @@ def backend_names() -> tuple[str, ...]:
 
 def get_backend(name: str, device: torch.device) -> Backend:
     """The backend called `name` (or the best for `device` when name == "auto")."""
-    if name == "auto":
-        passed_over = []
-        for candidate, device_types in _AUTO_ORDER:
-            if device_types is not None and device.type not in device_types:
-                continue
-            backend = _load(candidate)
-            if backend is not None and backend.supports(device):
-                if passed_over and candidate == "reference":
-                    _warn_fallback(device, passed_over)
-                return backend
-            passed_over.append(candidate)
-        raise RuntimeError(f"no exactlogp backend supports device {device}")
+    if name == "auto":  # resolved once per device type
+        found = _cache.get(f"auto:{device.type}")
+        if found is None:
+            found = _cache[f"auto:{device.type}"] = _auto(device)
+        return found
     if name not in _REGISTRY:
         raise ValueError(f"backend must be 'auto' or one of {backend_names()}, got {name!r}")
     backend = _load(name)
@@ -50,6 +43,20 @@ def get_backend(name: str, device: torch.device) -> Backend:
             f"backend={name!r} does not support device {device}" + (f": {why}" if why else "")
         )
     return backend
+
+
+def _auto(device: torch.device) -> Backend:
+    passed_over = []
+    for candidate, device_types in _AUTO_ORDER:
+        if device_types is not None and device.type not in device_types:
+            continue
+        backend = _load(candidate)
+        if backend is not None and backend.supports(device):
+            if passed_over and candidate == "reference":
+                _warn_fallback(device, passed_over)
+            return backend
+        passed_over.append(candidate)
+    raise RuntimeError(f"no exactlogp backend supports device {device}")
 
 
 _load_errors: dict[str, str] = {}
@@ -69,7 +76,7 @@ def _warn_fallback(device: torch.device, passed_over: list[str]) -> None:
         f"exactlogp: backend='auto' uses the reference backend on {device.type} (the same "
         f"bits, but tens of times slower) because {why}",
         RuntimeWarning,
-        stacklevel=4,
+        stacklevel=5,
     )
 
 

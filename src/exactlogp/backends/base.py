@@ -2,12 +2,13 @@
 
 A backend never calls a collective; it turns one shard of logits into the per-row max,
 the int64 row record and, in backward, the gradient shard, and may fuse stage 7 (finalize
-of the combined record). All of them must give the bits of `exactlogp.contract` for every
+of the combined record), or all of stages 2-7 when the shard is the whole vocabulary. All of them must give the bits of `exactlogp.contract` for every
 input.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -30,9 +31,50 @@ class ShardPlan:
         ).contiguous()
 
 
+def row_view(t: torch.Tensor) -> torch.Tensor:
+    """(..., V) as rows without a copy: (N, V) where the leading dims merge into one, else
+    (B, T, V) where they merge into two (logits[:, :-1, :] of (B, T + 1, V) logits: its
+    rows are not evenly spaced), else a copy as (N, V). Backends read all three."""
+    v = t.shape[-1]
+    n = math.prod(t.shape[:-1])
+    try:
+        return t.view(n, v)
+    except RuntimeError:
+        pass
+    if t.dim() >= 3:
+        try:
+            return t.view(n // t.shape[-2], t.shape[-2], v)
+        except RuntimeError:
+            pass
+    return t.reshape(n, v)
+
+
+def num_rows(rows: torch.Tensor) -> int:
+    """The rows of a row_view: N of (N, V), B * T of (B, T, V)."""
+    return math.prod(rows.shape[:-1])
+
+
+def take_rows(rows: torch.Tensor, block: slice) -> torch.Tensor:
+    """Rows [start, stop) of a row_view as (n, V): a view of (N, V) rows; of (B, T, V)
+    rows, a copy of these rows alone."""
+    if rows.dim() == 2:
+        return rows[block]
+    index = torch.arange(block.start, block.stop, device=rows.device)
+    return rows[index // rows.shape[1], index % rows.shape[1]]
+
+
+def bad_temperature(temperature) -> torch.Tensor | None:
+    """(N,) bool: the per-row temperatures that finalize flags BAD_TEMPERATURE (not finite,
+    or not > 0); None for a scalar, which the argument checks already passed."""
+    if isinstance(temperature, torch.Tensor):
+        return ~(torch.isfinite(temperature) & (temperature > 0))
+    return None
+
+
 class Backend:
-    """Interface; `logits` is (N, V_local), `target` (N,) int64 with global ids,
-    `temperature` a float or an fp32 (N,) tensor, `keep_mask` None or (N, V_local) bool."""
+    """Interface; `logits` is a row_view of the shard, (N, V_local) or (B, T, V_local) with
+    B * T = N rows, `target` (N,) int64 with global ids, `temperature` a float or an fp32
+    (N,) tensor, `keep_mask` None or bool shaped like `logits`."""
 
     name = "base"
 
@@ -47,6 +89,18 @@ class Backend:
         """(N, contract.NUM_COLS) int64: this shard's exact row record."""
         raise NotImplementedError
 
+    def forward_unsharded(self, logits, target, temperature, keep_mask, plan: ShardPlan):
+        """Stages 2-7 when this shard is the whole vocabulary (no TP group): (row max,
+        record, Finalized). No collective lies between the passes, so a backend may fuse
+        them (one read of each row); this one runs them one after another."""
+        row_max = self.row_max(logits, temperature, keep_mask, plan)
+        record = self.partials(logits, target, temperature, keep_mask, row_max, plan)
+        fin = self.finalize(
+            row_max, record, target, plan.vocab_size, plan.ignore_index,
+            bad_temperature(temperature),
+        )  # fmt: skip
+        return row_max, record, fin
+
     def finalize(
         self, row_max, record, target, vocab_size, ignore_index, bad_temperature,
         ranks_disagree=None,
@@ -57,7 +111,7 @@ class Backend:
         )
 
     def grad(self, logits, target, temperature, keep_mask, stats: GradStats, plan) -> torch.Tensor:
-        """(N, V_local) in logits.dtype: the gradient shard."""
+        """Shaped like `logits`, contiguous, in logits.dtype: the gradient shard."""
         raise NotImplementedError
 
     def exact_dot(self, a: torch.Tensor, c: torch.Tensor) -> torch.Tensor:

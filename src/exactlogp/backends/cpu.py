@@ -1,34 +1,45 @@
 """The fused CPU backend: each pass is one multi-threaded, vectorised C kernel.
 
-row_max, partials and grad each read the logits once, row by row, and keep nothing of
-size [N, V] besides grad's output: the extra memory of forward is O(N) (logits whose
-columns are not adjacent in memory are copied once first). The kernels
+row_max, partials, finalize and grad are C kernels that read the logits row by row and
+keep nothing of size [N, V] besides grad's output: the extra memory of forward is O(N)
+(logits whose columns are not adjacent in memory are copied once first). Without a TP
+group one kernel call runs the whole forward (`forward_unsharded`): each row is read once,
+its max taken from its distinct values where the value tables apply. The kernels
 (csrc/exactlogp_cpu.c, built by cpu_build) apply contract.py's IEEE operations in the
-same order, so every output is bitwise that of the reference backend. Long rows of bf16
-or fp16 logits take the value-table path: the contract is evaluated once per distinct
-value of the row (a few thousand for an LLM's logits) instead of once per column, and the
-integer sums are the same (see the C source and docs/performance.md).
+same order, so every output is bitwise that of the reference backend. Long rows of 16-bit
+logits (and fp32 rows whose values are all exactly bf16) take the value-table path: the
+contract is evaluated once per distinct value of the row (a few thousand for an LLM's
+bf16 logits) instead of once per column, and the integer sums are the same (see the C
+source and docs/performance.md).
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import torch
 
 from .. import contract
 from ..contract import GradStats
 from . import cpu_build
-from .base import Backend, ShardPlan
+from .base import Backend, ShardPlan, num_rows
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-# Below this many logits per thread, starting a thread costs more than it saves.
+# Below this many logits per thread, waking a thread costs more than it saves.
 MIN_ELEMENTS_PER_THREAD = 1 << 16
-# value_tables="auto": bf16 rows with at least this many real columns use value tables,
-# per pass (where they won on this project's benchmark machine; fp16 rows hold several
-# times more distinct values, and there the direct loops won).
-TABLE_MIN_COLS = {"partials": 16384, "grad": 32768}
+# value_tables="auto": rows with at least this many real columns use value tables, per
+# pass and logits dtype (fp32: rows whose values are all exactly bf16, read as bf16), where
+# they won on this project's benchmark machines. "forward" is the whole forward without a
+# TP group, where the tables also give the max; fp16 rows hold several times more distinct
+# values than bf16 rows, so their tables pay only on longer rows.
+TABLE_MIN_COLS = {
+    "forward": {torch.bfloat16: 8192, torch.float16: 32768, torch.float32: 8192},
+    "partials": {torch.bfloat16: 16384, torch.float16: 65536, torch.float32: 16384},
+    "grad": {torch.bfloat16: 32768},
+}
 _TABLE_MODES = ("auto", "always", "never")
+_ISA_NAMES = ("baseline", "avx2", "avx512")
 
 
 class _Shard(ctypes.Structure):  # elp_shard in the C source
@@ -45,6 +56,13 @@ class _Shard(ctypes.Structure):  # elp_shard in the C source
         ("dtype", ctypes.c_int32),
         ("num_threads", ctypes.c_int32),
         ("table_min_cols", ctypes.c_int64),
+        ("target", ctypes.c_void_p),
+        ("vocab_start", ctypes.c_int64),
+        ("vocab_size", ctypes.c_int64),
+        ("ignore_index", ctypes.c_int64),
+        ("rows_inner", ctypes.c_int64),
+        ("outer_stride", ctypes.c_int64),
+        ("keep_outer_stride", ctypes.c_int64),
     ]
 
 
@@ -54,21 +72,30 @@ _GRAD_FIELDS = (
 
 
 class _GradStats(ctypes.Structure):  # elp_grad_stats in the C source
-    _fields_ = [(name, ctypes.c_void_p) for name in (*_GRAD_FIELDS, "row_nan", "target_col")]
+    _fields_ = [(name, ctypes.c_void_p) for name in (*_GRAD_FIELDS, "row_nan")]
+
+
+_ROW_FIELDS = ("row_max", "record", *contract.Finalized._fields)
+
+
+class _Rows(ctypes.Structure):  # elp_rows in the C source
+    _fields_ = [(name, ctypes.c_void_p) for name in _ROW_FIELDS]
 
 
 def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
-    ptr = ctypes.c_void_p
-    shard = ctypes.POINTER(_Shard)
+    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+    shard, rows = ctypes.POINTER(_Shard), ctypes.POINTER(_Rows)
     signatures = {
         "elp_row_max": [shard, ptr],
-        "elp_partials": [shard, ptr, ptr, ctypes.c_int32, ptr],
+        "elp_partials": [shard, ptr, ctypes.c_int32, ptr],
+        "elp_forward": [shard, ctypes.c_int32, rows],
+        "elp_finalize": [i64, ptr, i64, i64, ptr, ptr, rows],
         "elp_grad": [shard, ctypes.POINTER(_GradStats), ctypes.c_int32, ptr],
     }
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = argtypes, ctypes.c_int
-    lib.elp_uses_avx2.restype = ctypes.c_int
+    lib.elp_isa.restype = ctypes.c_int
     return lib
 
 
@@ -85,12 +112,24 @@ def _f64(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.float64).contiguous()
 
 
+def _i64(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.int64).contiguous()
+
+
+def _flags(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.to(torch.bool).contiguous().view(torch.uint8)
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
 class CpuBackend(Backend):
     """`num_threads`: threads per pass, None follows torch.get_num_threads();
-    `isa`: "avx2" or "baseline", None picks this CPU's best (cpu_build.default_isa);
-    `value_tables`: "auto" (bf16 rows of at least TABLE_MIN_COLS columns), "always" (bf16
-    and fp16 rows of any length) or "never" -- a speed choice only: every mode gives the
-    same bits."""
+    `isa`: "avx512", "avx2" or "baseline", None picks this CPU's best
+    (cpu_build.default_isa); `value_tables`: "auto" (rows of at least TABLE_MIN_COLS
+    columns), "always" (16-bit rows and bf16-exact fp32 rows of any length) or "never" --
+    a speed choice only: every mode gives the same bits."""
 
     name = "cpu"
 
@@ -111,24 +150,29 @@ class CpuBackend(Backend):
         return torch.device(device).type == "cpu"
 
     @property
+    def isa(self) -> str:
+        """The instruction set the loaded kernels were compiled for."""
+        return _ISA_NAMES[self._lib.elp_isa()]
+
+    @property
     def uses_avx2(self) -> bool:
-        return bool(self._lib.elp_uses_avx2())
+        return self.isa != "baseline"
 
     # --- the shard description every kernel reads ---
 
     def _table_min_cols(self, dtype: torch.dtype, pass_name: str) -> int:
         """The shard's table_min_cols for one pass: -1 keeps the direct loops."""
         if self.value_tables == "auto":
-            return TABLE_MIN_COLS[pass_name] if dtype == torch.bfloat16 else -1
+            return TABLE_MIN_COLS[pass_name].get(dtype, -1)
         return 0 if self.value_tables == "always" else -1
 
-    def _shard(self, logits, temperature, keep_mask, plan: ShardPlan, pass_name: str = ""):
-        """(elp_shard, tensors that must outlive the call); pass_name "partials" or "grad"
-        lets the pass use value tables."""
+    def _shard(self, logits, temperature, keep_mask, plan: ShardPlan, pass_name="", target=None):
+        """(elp_shard, tensors that must outlive the call); pass_name "forward", "partials"
+        or "grad" lets the pass use value tables."""
         if logits.dtype not in _DTYPE_CODES:
             raise TypeError(f"backend 'cpu' supports bf16/fp16/fp32 logits, got {logits.dtype}")
-        x = _unit_column_stride(logits)
-        n_rows, n_cols = x.shape
+        x = _unit_column_stride(logits)  # (N, V) or (B, T, V) rows
+        n_rows, n_cols = num_rows(x), x.shape[-1]
         n_real = n_cols
         if plan.vocab_size is not None:
             n_real = min(max(plan.vocab_size - plan.vocab_start, 0), n_cols)
@@ -141,56 +185,90 @@ class CpuBackend(Backend):
                     f"temperature must hold one value per row ({n_rows}), got shape "
                     f"{tuple(temperature.shape)}"
                 )
+        target = None if target is None else _i64(target)
         threads = self.num_threads or torch.get_num_threads()
         threads = max(1, min(threads, n_rows * n_cols // MIN_ELEMENTS_PER_THREAD))
+        three = x.dim() == 3  # (B, T, V): row r is x[r // T, r % T]
         shard = _Shard(
-            x=x.data_ptr(),
-            row_stride=x.stride(0),
-            n_rows=n_rows,
-            n_cols=n_cols,
-            n_real=n_real,
-            keep=None if keep is None else keep.data_ptr(),
-            keep_stride=0 if keep is None else keep.stride(0),
-            tau_rows=None if tau_rows is None else tau_rows.data_ptr(),
-            tau=1.0 if tau_rows is not None else float(temperature),
-            dtype=_DTYPE_CODES[logits.dtype],
-            num_threads=threads,
-            table_min_cols=self._table_min_cols(logits.dtype, pass_name) if pass_name else -1,
-        )
-        return shard, (x, keep, tau_rows)
+            x.data_ptr(), x.stride(-2), n_rows, n_cols, n_real,
+            _ptr(keep), 0 if keep is None else keep.stride(-2),
+            _ptr(tau_rows), 1.0 if tau_rows is not None else float(temperature),
+            _DTYPE_CODES[logits.dtype], threads,
+            self._table_min_cols(logits.dtype, pass_name) if pass_name else -1,
+            _ptr(target), plan.vocab_start,
+            -1 if plan.vocab_size is None else plan.vocab_size, plan.ignore_index,
+            max(x.shape[1], 1) if three else max(n_rows, 1), x.stride(0) if three else 0,
+            keep.stride(0) if three and keep is not None else 0,
+        )  # fmt: skip
+        return shard, (x, keep, tau_rows, target)
 
     @staticmethod
     def _check(status: int, what: str) -> None:
         if status != 0:
             raise RuntimeError(f"the CPU {what} kernel rejected its shard description")
 
-    # --- the three passes ---
+    @staticmethod
+    def _rows(n: int, row_max: torch.Tensor | None = None, record: torch.Tensor | None = None):
+        """(elp_rows, Finalized) over fresh per-row tensors; row_max and record are the
+        given ones (finalize reads them) or fresh (the fused forward writes them)."""
+        empty = functools.partial(torch.empty, n)
+        stats = torch.empty(4, n, dtype=torch.float64)  # saved for backward, never returned
+        fin = contract.Finalized(
+            logprobs=empty(dtype=torch.float32), entropy=empty(dtype=torch.float32),
+            lse=empty(dtype=torch.float32), s_hi=stats[0], s_lo=stats[1], log_s=stats[2],
+            entropy64=stats[3], bad=empty(dtype=torch.int64), ignored=empty(dtype=torch.bool),
+        )  # fmt: skip
+        row_max = empty(dtype=torch.float32) if row_max is None else row_max
+        if record is None:
+            record = torch.empty(n, contract.NUM_COLS, dtype=torch.int64)
+        tensors = (row_max, record, *fin)
+        return _Rows(*(t.data_ptr() for t in tensors)), row_max, record, fin
+
+    # --- the passes ---
 
     def row_max(self, logits, temperature, keep_mask, plan):
-        out = torch.empty(logits.shape[0], dtype=torch.float32)
+        out = torch.empty(num_rows(logits), dtype=torch.float32)
         shard, _alive = self._shard(logits, temperature, keep_mask, plan)
         self._check(self._lib.elp_row_max(ctypes.byref(shard), out.data_ptr()), "row max")
         return out
 
     def partials(self, logits, target, temperature, keep_mask, row_max, plan):
-        record = torch.empty(logits.shape[0], contract.NUM_COLS, dtype=torch.int64)
-        shard, _alive = self._shard(logits, temperature, keep_mask, plan, "partials")
-        target_col = plan.target_columns(target, logits.shape[-1])
+        record = torch.empty(num_rows(logits), contract.NUM_COLS, dtype=torch.int64)
+        shard, _alive = self._shard(logits, temperature, keep_mask, plan, "partials", target)
         m = _f32(row_max)
         status = self._lib.elp_partials(
-            ctypes.byref(shard), m.data_ptr(), target_col.data_ptr(),
-            int(plan.with_entropy), record.data_ptr(),
-        )  # fmt: skip
+            ctypes.byref(shard), m.data_ptr(), int(plan.with_entropy), record.data_ptr()
+        )
         self._check(status, "partials")
         return record
 
+    def forward_unsharded(self, logits, target, temperature, keep_mask, plan):
+        shard, _alive = self._shard(logits, temperature, keep_mask, plan, "forward", target)
+        rows, row_max, record, fin = self._rows(num_rows(logits))
+        status = self._lib.elp_forward(ctypes.byref(shard), int(plan.with_entropy), rows)
+        self._check(status, "forward")
+        return row_max, record, fin
+
+    def finalize(
+        self, row_max, record, target, vocab_size, ignore_index, bad_temperature,
+        ranks_disagree=None,
+    ):  # fmt: skip
+        target, bad_tau, disagree = _i64(target), _flags(bad_temperature), _flags(ranks_disagree)
+        n = target.shape[0]
+        rows, _, _, fin = self._rows(n, _f32(row_max), _i64(record))
+        status = self._lib.elp_finalize(
+            n, target.data_ptr(), -1 if vocab_size is None else vocab_size, ignore_index,
+            _ptr(bad_tau), _ptr(disagree), rows,
+        )  # fmt: skip
+        self._check(status, "finalize")
+        return fin
+
     def grad(self, logits, target, temperature, keep_mask, stats: GradStats, plan):
         out = torch.empty(logits.shape, dtype=logits.dtype)
-        shard, _alive = self._shard(logits, temperature, keep_mask, plan, "grad")
+        shard, _alive = self._shard(logits, temperature, keep_mask, plan, "grad", target)
         arrays = {"row_max": _f32(stats.row_max)}
         arrays.update({name: _f64(getattr(stats, name)) for name in _GRAD_FIELDS[1:]})
-        arrays["row_nan"] = stats.row_nan.to(torch.bool).contiguous().view(torch.uint8)
-        arrays["target_col"] = plan.target_columns(target, logits.shape[-1])
+        arrays["row_nan"] = _flags(stats.row_nan)
         c_stats = _GradStats(**{name: t.data_ptr() for name, t in arrays.items()})
         status = self._lib.elp_grad(
             ctypes.byref(shard), ctypes.byref(c_stats), int(plan.with_entropy), out.data_ptr()

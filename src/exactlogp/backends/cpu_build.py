@@ -16,9 +16,9 @@ against a SHA-256 sidecar written after its atomic rename, and one that does not
 
 The numeric constants are not written in the C source: `constants_header()` generates
 them from contract.py (C99 hex literals, exact), so there is one definition of each.
-The instruction set is picked for this CPU ("avx2" on x86-64 CPUs that have it, else
-"baseline"; $EXACTLOGP_CPU_ISA overrides) and is part of the cache key, so a cache
-shared between machines never hands one a library it cannot run.
+The instruction set is picked for this CPU ("avx512" or "avx2" on x86-64 CPUs that have
+them, else "baseline"; $EXACTLOGP_CPU_ISA overrides) and is part of the cache key, so a
+cache shared between machines never hands one a library it cannot run.
 `python -m exactlogp.backends.cpu_build` builds ahead of time (`make setup` does).
 """
 
@@ -60,7 +60,18 @@ CFLAGS = (
     "-ffp-contract=off",
     "-fno-fast-math",
 )
-ISA_FLAGS = {"baseline": (), "avx2": ("-mavx2",)}
+# Each build is the same arithmetic at another vector width (4 doubles, or 8 with AVX-512);
+# the AVX-512 flags bring no FMA (-mfma is never passed, and contraction is off anyway).
+ISA_FLAGS = {
+    "baseline": (),
+    "avx2": ("-mavx2", "-mf16c"),
+    "avx512": ("-mavx2", "-mf16c", "-mavx512f", "-mavx512dq", "-mavx512bw", "-mavx512vl"),
+}
+# the CPU flags (/proc/cpuinfo) each x86-64 build needs, best first
+ISA_CPU_FLAGS = {
+    "avx512": ("avx2", "f16c", "avx512f", "avx512dq", "avx512bw", "avx512vl"),
+    "avx2": ("avx2", "f16c"),
+}
 COMPILE_TIMEOUT_S = 600
 
 
@@ -68,12 +79,21 @@ class CpuBuildError(RuntimeError):
     """The fused CPU kernels cannot be built or loaded here; the message says why."""
 
 
+class CpuCompileError(CpuBuildError):
+    """The C compiler ran and rejected the source for this instruction set."""
+
+
 # --- 1. the constants header, generated from contract.py ---
 
-_SCALARS = ("CUTOFF", "MAGIC", "LIMB_SCALE", "INV_LN2_32", "LN2_32_HI", "LN2_32_LO")
+_SCALARS = (
+    "CUTOFF", "MAGIC", "LIMB_SCALE", "INV_LN2_32", "LN2_32_HI", "LN2_32_LO",
+    "LIMB_UNIT", "LIMB2_UNIT", "SQRT_HALF", "LN2_HI", "LN2_LO",
+)  # fmt: skip
 _INTEGERS = (
     "FRAC_BITS", "NUM_COLS", "COL_E_HI", "COL_E_LO", "COL_W_HI", "COL_W_LO",
     "COL_TARGET_BITS", "COL_OWNERS", "COL_TARGET_MASKED", "COL_NONFINITE",
+    "BAD_TARGET_RANGE", "BAD_TARGET_OWNER", "BAD_TARGET_MASKED", "BAD_NONFINITE",
+    "BAD_NO_VALID_COLUMN", "BAD_TEMPERATURE", "BAD_RANKS",
 )  # fmt: skip
 
 
@@ -98,6 +118,9 @@ def constants_header() -> str:
     lines.append(f"#define ELP_EXP_POLY_LEN {len(contract.EXP_POLY)}")
     poly = ", ".join(_c_double(v) for v in contract.EXP_POLY)
     lines.append(f"#define ELP_EXP_POLY {{{poly}}}")
+    lines.append(f"#define ELP_LOG_POLY_LEN {len(contract.LOG_POLY)}")
+    poly = ", ".join(_c_double(v) for v in contract.LOG_POLY)
+    lines.append(f"#define ELP_LOG_POLY {{{poly}}}")
     lines += [f"#define ELP_{name} {int(getattr(contract, name))}" for name in _INTEGERS]
     return "\n".join(lines) + "\n"
 
@@ -105,7 +128,7 @@ def constants_header() -> str:
 def expected_constants() -> list[float]:
     """contract.py's values in the order `elp_constants` reports the compiled ones."""
     values = [float(getattr(contract, name)) for name in _SCALARS]
-    values += list(contract.EXP2_TABLE) + list(contract.EXP_POLY)
+    values += list(contract.EXP2_TABLE) + list(contract.EXP_POLY) + list(contract.LOG_POLY)
     return values + [float(getattr(contract, name)) for name in _INTEGERS]
 
 
@@ -120,7 +143,8 @@ def compiled_constants(lib: ctypes.CDLL) -> list[float]:
 
 
 def default_isa() -> str:
-    """$EXACTLOGP_CPU_ISA, else "avx2" when this x86-64 CPU reports it, else "baseline"."""
+    """$EXACTLOGP_CPU_ISA, else the best x86-64 build this CPU's flags allow ("avx512",
+    then "avx2"), else "baseline"."""
     isa = os.environ.get("EXACTLOGP_CPU_ISA")
     if isa:
         if isa not in ISA_FLAGS:
@@ -136,7 +160,10 @@ def default_isa() -> str:
         return "baseline"
     flags = next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines()
                   if line.startswith("flags")), [])  # fmt: skip
-    return "avx2" if "avx2" in flags else "baseline"
+    return next(
+        (isa for isa, need in ISA_CPU_FLAGS.items() if all(f in flags for f in need)),
+        "baseline",
+    )
 
 
 def find_compiler() -> str:
@@ -273,7 +300,7 @@ def _compile(compiler: str, source: str, header: str, isa: str, target: Path) ->
         except (OSError, subprocess.TimeoutExpired) as exc:
             raise CpuBuildError(f"running the C compiler {compiler} failed: {exc}") from exc
         if run.returncode != 0:
-            raise CpuBuildError(
+            raise CpuCompileError(
                 f"compiling the CPU kernels ({isa}) with {compiler} failed:\n"
                 f"{run.stderr.strip()[-2000:]}"
             )
@@ -321,8 +348,15 @@ def build(isa: str | None = None) -> Path:
 
 
 def load(isa: str | None = None) -> ctypes.CDLL:
-    """The compiled kernels, checked to carry contract.py's constants."""
-    path = build(isa)
+    """The compiled kernels, checked to carry contract.py's constants. When the ISA is
+    picked here and the compiler cannot build the AVX-512 variant, the AVX2 one is used."""
+    try:
+        path = build(isa)
+    except CpuCompileError as exc:
+        if isa is not None or os.environ.get("EXACTLOGP_CPU_ISA") or default_isa() != "avx512":
+            raise
+        log.warning("exactlogp: the AVX-512 CPU kernels did not build (%s); using AVX2", exc)
+        path = build("avx2")
     try:
         lib = ctypes.CDLL(str(path))
     except OSError as exc:

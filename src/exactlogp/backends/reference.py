@@ -11,7 +11,7 @@ import torch
 
 from .. import contract, linear_contract
 from ..contract import GradStats
-from .base import Backend, ShardPlan
+from .base import Backend, ShardPlan, num_rows, take_rows
 
 CHUNK_ELEMENTS = 1 << 18
 
@@ -24,8 +24,8 @@ def _row_blocks(num_rows: int, num_cols: int):
 
 def _block_inputs(logits, temperature, keep_mask, plan: ShardPlan, rows: slice):
     tau = temperature[rows].unsqueeze(-1) if isinstance(temperature, torch.Tensor) else temperature
-    y = contract.scaled_logits(logits[rows], tau)
-    mask = None if keep_mask is None else keep_mask[rows]
+    y = contract.scaled_logits(take_rows(logits, rows), tau)
+    mask = None if keep_mask is None else take_rows(keep_mask, rows)
     valid = contract.valid_columns(
         logits.shape[-1], plan.vocab_start, plan.vocab_size, mask, logits.device
     )
@@ -39,17 +39,17 @@ class ReferenceBackend(Backend):
         return True
 
     def row_max(self, logits, temperature, keep_mask, plan):
-        out = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
-        for rows in _row_blocks(*logits.shape):
+        n = num_rows(logits)
+        out = torch.empty(n, dtype=torch.float32, device=logits.device)
+        for rows in _row_blocks(n, logits.shape[-1]):
             y, valid, _, _ = _block_inputs(logits, temperature, keep_mask, plan, rows)
             out[rows] = contract.masked_row_max(y, valid)
         return out
 
     def partials(self, logits, target, temperature, keep_mask, row_max, plan):
-        out = torch.empty(
-            logits.shape[0], contract.NUM_COLS, dtype=torch.int64, device=logits.device
-        )
-        for rows in _row_blocks(*logits.shape):
+        n = num_rows(logits)
+        out = torch.empty(n, contract.NUM_COLS, dtype=torch.int64, device=logits.device)
+        for rows in _row_blocks(n, logits.shape[-1]):
             y, valid, mask, _ = _block_inputs(logits, temperature, keep_mask, plan, rows)
             out[rows] = contract.partials(
                 y, valid, row_max[rows], target[rows], mask,
@@ -58,14 +58,15 @@ class ReferenceBackend(Backend):
         return out
 
     def grad(self, logits, target, temperature, keep_mask, stats: GradStats, plan):
-        out = torch.empty_like(logits, memory_format=torch.contiguous_format)
+        n = num_rows(logits)
+        out = torch.empty(n, logits.shape[-1], dtype=logits.dtype, device=logits.device)
         target_local = plan.target_columns(target, logits.shape[-1])
-        for rows in _row_blocks(*logits.shape):
+        for rows in _row_blocks(n, logits.shape[-1]):
             y, valid, _, tau = _block_inputs(logits, temperature, keep_mask, plan, rows)
             out[rows] = contract.grad_block(
                 y, valid, stats.rows(rows), target_local[rows], tau, plan.with_entropy, logits.dtype
             )
-        return out
+        return out.view(logits.shape)
 
     def exact_dot(self, a, c):
         """The definition itself: int64 products and sums."""

@@ -12,8 +12,12 @@ forward and forward+backward, the median of 5 repeats (min and max shown), then 
 extra memory of each candidate, each in a fresh process. --profile times the backend's
 passes against this machine's memory bandwidth. --sweep adds sweeps over tokens
 (128 .. 4096) and vocab (32k .. 262k) with fewer repeats, written as Markdown tables and
-a PNG plot. Everything lands in --out (default reports/performance; the committed tables in
-docs/performance are refreshed with --out docs/performance).
+a PNG plot. --goals instead runs the table of GOAL_ROWS: decode-step calls (1 and 8
+tokens, a 64-token batch), the Qwen shape in bf16, fp16, fp32 and fp32 holding bf16
+values, a low temperature and heavy-tailed logits, each against eager torch and
+torch.compile, forward and forward+backward, with and without entropy. Everything lands
+in --out (default reports/performance; the committed tables in docs/performance are
+refreshed with --out docs/performance).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import shlex
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -33,7 +38,7 @@ import torch
 from ..report import candidates, measure
 from ..report.measure import MODES
 from ..report.tp1 import tp1_steps
-from ..testing import llm_like_logits
+from ..testing import heavy_tailed_logits, llm_like_logits
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 SWEEP_TOKENS = (128, 256, 512, 1024, 2048, 4096)
@@ -74,6 +79,10 @@ def build_parser() -> argparse.ArgumentParser:
         default=f"{OURS},{BASELINE},{EAGER},{COMPILED}",
         help="comma-separated names for the sweeps",
     )
+    p.add_argument("--goals", action="store_true", help="run the goal rows (GOAL_ROWS) instead")
+    p.add_argument(
+        "--goal-rows", default="", help="comma-separated labels of GOAL_ROWS (default: all)"
+    )
     p.add_argument("--out", type=Path, default=Path("reports/performance"))
     p.add_argument(
         "--measure-memory", nargs=2, metavar=("CANDIDATE", "MODE"), help=argparse.SUPPRESS
@@ -87,10 +96,12 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     if args.measure_memory:
         return _child_memory(args, *args.measure_memory)
-    names = _names("--candidates", args.candidates)
-    sweep_names = _names("--sweep-candidates", args.sweep_candidates)
     args.out.mkdir(parents=True, exist_ok=True)
     command = "exactlogp bench " + shlex.join(sys.argv[1:] if argv is None else argv)
+    if args.goals:
+        return goals(args, command)
+    names = _names("--candidates", args.candidates)
+    sweep_names = _names("--sweep-candidates", args.sweep_candidates)
     report = _main_shape(args, names)
     report.update(command=command, machine=machine())
     if args.profile:
@@ -393,6 +404,144 @@ def plot_sweeps(report: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+# --- the goal rows ---
+
+
+@dataclass(frozen=True)
+class GoalRow:
+    label: str
+    tokens: int
+    vocab: int
+    dtype: str  # a key of DTYPES, or "fp32-of-bf16": bf16 logits cast to fp32
+    goal: str  # what the row is held to (shown in the table)
+    logits: str = "llm"  # "llm" (llm_like_logits) or "student_t" (heavy_tailed_logits)
+    temperature: float = 1.0
+    repeats: int = 5
+
+    def candidates(self) -> dict[str, str]:
+        """{role: candidate name}: ours, ours with entropy, eager and compiled torch."""
+        tau = "" if self.temperature == 1.0 else f"temperature={self.temperature:g}"
+        join = lambda *p: ",".join(x for x in p if x)  # noqa: E731
+        return {
+            "ours": f"exactlogp[{join('cpu', tau)}]",
+            "entropy": f"exactlogp[{join('cpu', 'entropy', tau)}]",
+            "eager": f"torch_full[{join('row_block=all', tau)}]",
+            "compiled": f"torch_compile[{tau}]" if tau else "torch_compile",
+        }
+
+
+GOAL_ROWS = (
+    GoalRow("1 token", 1, 151936, "bf16", "fwd <= 1.5x eager", repeats=300),
+    GoalRow("8 tokens", 8, 32000, "bf16", "fwd <= 1.5x eager", repeats=300),
+    GoalRow("decode batch", 64, 151936, "bf16", "fwd well below eager", repeats=20),
+    GoalRow("Qwen bf16", 1024, 151936, "bf16", "fwd <= 0.6x compiled"),
+    GoalRow("Qwen fp16", 1024, 151936, "fp16", "fwd <= 0.8x compiled"),
+    GoalRow("Qwen fp32", 1024, 151936, "fp32", "fwd <= 1.5x compiled"),
+    GoalRow("Qwen fp32 of bf16 values", 1024, 151936, "fp32-of-bf16", "as bf16"),
+    GoalRow("tau 0.05", 512, 151936, "bf16", "fast", temperature=0.05),
+    GoalRow("Student-t", 512, 151936, "bf16", "fast", logits="student_t"),
+)
+
+
+def goal_inputs(row: GoalRow, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    dtype = torch.bfloat16 if row.dtype == "fp32-of-bf16" else DTYPES[row.dtype]
+    draw = heavy_tailed_logits if row.logits == "student_t" else llm_like_logits
+    kw = {} if row.logits == "student_t" else {"targets": "uniform"}
+    x, target = draw(row.tokens, row.vocab, dtype, seed, **kw)
+    return (x.float() if row.dtype == "fp32-of-bf16" else x), target
+
+
+def goals(args, command: str) -> int:
+    """Time every goal row's candidates interleaved, write cpu_goals.md and the JSON."""
+    from ..backends import get_backend
+
+    labels = [x.strip() for x in args.goal_rows.split(",") if x.strip()]
+    rows = [r for r in GOAL_ROWS if not labels or r.label in labels]
+    unknown = set(labels) - {r.label for r in rows}
+    if unknown:
+        raise SystemExit(
+            f"--goal-rows: unknown {sorted(unknown)}; one of {[r.label for r in GOAL_ROWS]}"
+        )
+    results = []
+    for row in rows:
+        names = row.candidates()
+        _log(f"goal row {row.label}: {row.tokens} x {row.vocab} {row.dtype}, {row.repeats} repeats")
+        x, target = goal_inputs(row, args.seed)
+        timed, skipped = time_candidates(list(names.values()), x, target, row.repeats, args.seed)
+        del x, target
+        results.append({"row": vars(row), "names": names, "results": timed, "unavailable": skipped})
+    report = {
+        "command": command,
+        "machine": machine(),
+        "threads": torch.get_num_threads(),
+        "isa": getattr(get_backend("cpu", torch.device("cpu")), "isa", "?"),
+        "seed": args.seed,
+        "goals": results,
+    }
+    (args.out / "cpu_goals.json").write_text(json.dumps(report, indent=1) + "\n")
+    text = goals_markdown(report)
+    (args.out / "cpu_goals.md").write_text(text)
+    print(text)
+    return 0
+
+
+def _goal_timing(g: dict, role: str, mode: str) -> dict | None:
+    return g["results"].get(g["names"][role], {}).get(mode)
+
+
+def _goal_ms(g: dict, role: str, mode: str) -> str:
+    t = _goal_timing(g, role, mode)
+    return "-" if t is None else f"{t['median'] * 1e3:.3g}"
+
+
+def _goal_ratio(g: dict, role: str, other: str, mode: str) -> str:
+    a, b = _goal_timing(g, role, mode), _goal_timing(g, other, mode)
+    return "-" if a is None or b is None else f"{a['median'] / b['median']:.2f}x"
+
+
+def goals_table(report: dict) -> str:
+    """One line per goal row: our medians and the ratios to eager and compiled torch."""
+    head = (
+        "| row | shape | ours fwd ms | eager fwd ms | compiled fwd ms | fwd / eager "
+        "| fwd / compiled | with entropy fwd / compiled | ours fwd+bwd ms | fwd+bwd / eager "
+        "| fwd+bwd / compiled | with entropy fwd+bwd / compiled | goal |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+    )
+    lines = [head]
+    for g in report["goals"]:
+        row = g["row"]
+        shape = f"{row['tokens']} x {row['vocab']} {row['dtype']}"
+        shape += "" if row["temperature"] == 1.0 else f", tau {row['temperature']:g}"
+        shape += ", Student-t" if row["logits"] == "student_t" else ""
+        cells = [row["label"], shape]
+        for mode in MODES:
+            cells.append(_goal_ms(g, "ours", mode))
+            if mode == "forward":
+                cells += [_goal_ms(g, "eager", mode), _goal_ms(g, "compiled", mode)]
+            cells += [_goal_ratio(g, "ours", other, mode) for other in ("eager", "compiled")]
+            cells.append(_goal_ratio(g, "entropy", "compiled", mode))
+        lines.append("| " + " | ".join(cells + [row["goal"]]) + " |")
+    return "\n".join(lines)
+
+
+def goals_markdown(report: dict) -> str:
+    m = report["machine"]
+    versions = ", ".join(f"{k} {v}" for k, v in m["versions"].items())
+    return "\n".join([
+        "# CPU goal rows: exactlogp[cpu] against eager torch and torch.compile",
+        "",
+        f"Command: `{report['command']}`  ",
+        f"Machine: {m['cpu']}, {m['cores']} cores, torch threads {report['threads']}, "
+        f"exactlogp CPU kernels built for {report['isa']}, {versions}, {m['date']}  ",
+        "Medians of interleaved runs (each round runs every candidate and mode once, in an "
+        "order shuffled per round); ours = exactlogp[cpu], eager = torch_full[row_block=all], "
+        "compiled = torch_compile (with the row's temperature where it has one).",
+        "",
+        goals_table(report),
+        "",
+    ])  # fmt: skip
 
 
 # --- the report files ---

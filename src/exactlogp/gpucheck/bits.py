@@ -2,8 +2,12 @@
 
 Forward outputs and gradients, entropy on and off, on the cases of `bit_cases`: the
 Triton backend on the device (through the public API, or the TP pipeline over several
-shards of one device, collectives done exactly), the reference backend on the CPU on the
-first `ref_rows` rows (rows are independent: each row's bits depend on that row only).
+shards of one device, collectives done exactly) against a CPU backend on every row
+(`ref_rows` None; a number checks only the first rows -- rows are independent). The CPU
+side is the fused "cpu" backend by default: the test suite holds it bitwise to the torch
+reference, and it checks 10^8 logits in seconds where the reference takes minutes.
+Both Triton paths are checked whatever the GPU's "auto" picks: cases named -direct and
+-tables force the direct kernels or the value tables (backends/triton/value_tables.py).
 The finalize kernel alone on drawn records (testing.finalize_inputs) against
 contract.finalize on the CPU, every field. And the forward with validate=False under
 torch.cuda.set_sync_debug_mode("error").
@@ -11,6 +15,7 @@ torch.cuda.set_sync_debug_mode("error").
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from dataclasses import dataclass
@@ -37,19 +42,66 @@ class BitCase:
     keep_frac: float | None = None  # fraction of columns kept by a random keep-mask
     edge_rows: bool = False  # NaN, +inf, all -inf and ignored rows (validate=False)
     shards: int = 1  # > 1: the vocabulary split in equal shards, combined on the device
+    value_tables: str = "auto"  # the Triton path: "auto" (as the GPU picks), "always", "never"
 
 
 def bit_cases(tiny: bool) -> list[BitCase]:
     if tiny:
         return [
             BitCase("tiny-tp4", 4, 512, torch.bfloat16, shards=TP),
+            BitCase("tiny-tp4-tables", 4, 512, torch.bfloat16, shards=TP, value_tables="always"),
             BitCase("tiny-fp16-mask", 5, 300, torch.float16, 290, "per_row", 0.7, True),
+            BitCase(
+                "tiny-fp16-mask-direct",
+                5,
+                300,
+                torch.float16,
+                290,
+                "per_row",
+                0.7,
+                True,
+                value_tables="never",
+            ),  # fmt: skip
             BitCase("tiny-fp32-edge", 6, 200, torch.float32, None, "0.7", None, True),
         ]
     return [
         BitCase("qwen3next-full", 1024, QWEN3_NEXT_VOCAB, torch.bfloat16),
         BitCase("qwen3next-tp4", 1024, QWEN3_NEXT_VOCAB, torch.bfloat16, shards=TP),
+        # both Triton paths whatever "auto" picks on this GPU (the CPU runs are shared)
+        BitCase(
+            "qwen3next-full-direct", 1024, QWEN3_NEXT_VOCAB, torch.bfloat16, value_tables="never"
+        ),
+        BitCase(
+            "qwen3next-tp4-tables",
+            1024,
+            QWEN3_NEXT_VOCAB,
+            torch.bfloat16,
+            shards=TP,
+            value_tables="always",
+        ),
         BitCase("fp16-temp-mask-pad", 257, 50304, torch.float16, 50257, "per_row", 0.6, True),
+        BitCase(
+            "fp16-temp-mask-pad-tables",
+            257,
+            50304,
+            torch.float16,
+            50257,
+            "per_row",
+            0.6,
+            True,
+            value_tables="always",
+        ),
+        BitCase(
+            "fp16-temp-mask-pad-direct",
+            257,
+            50304,
+            torch.float16,
+            50257,
+            "per_row",
+            0.6,
+            True,
+            value_tables="never",
+        ),
         BitCase("fp32-edge", 64, 4096, torch.float32, None, "0.7", None, True),
     ]
 
@@ -160,38 +212,64 @@ def run_local_passes(inp: Inputs, case: BitCase, backend: str, lo: int, hi: int)
     }
 
 
+@contextlib.contextmanager
+def triton_path(device, value_tables: str):
+    """The Triton backend on `device` with its value_tables mode set (and put back)."""
+    impl = get_backend("triton", device)
+    before = impl.value_tables
+    impl.value_tables = value_tables if value_tables != "auto" else before
+    try:
+        yield
+    finally:
+        impl.value_tables = before
+
+
 # --- comparing bits ---
 
 
-def check_bits(case: BitCase, device, ref_rows: int, ref_cache: dict, log) -> list[dict]:
+def cpu_reference() -> str:
+    """The CPU backend the device's bits are compared with: "cpu" where it builds."""
+    try:
+        get_backend("cpu", torch.device("cpu"))
+        return "cpu"
+    except ValueError:
+        return "reference"
+
+
+def check_bits(
+    case: BitCase, device, ref_rows: int | None, ref_cache: dict, log, ref_backend: str
+) -> list[dict]:
     """Both entropy settings of one case; `ref_cache` shares CPU reference runs between
     cases with the same inputs (the TP4 case reuses the whole-vocabulary one)."""
     inp = make_inputs(case, device)
-    count = min(ref_rows, case.rows)
+    count = case.rows if ref_rows is None else min(ref_rows, case.rows)
     cpu_inp = inp.rows(count, "cpu")
-    inputs_key = dataclasses.replace(case, name="", shards=1)
+    inputs_key = dataclasses.replace(case, name="", shards=1, value_tables="auto")
     results = []
     for with_entropy in (False, True):
         t0 = time.perf_counter()
-        if case.shards > 1:
-            got = run_sharded(inp, case, with_entropy)
-        else:
-            got = run_api(inp, case, "triton", with_entropy)
+        with triton_path(device, case.value_tables):
+            if case.shards > 1:
+                got = run_sharded(inp, case, with_entropy)
+            else:
+                got = run_api(inp, case, "triton", with_entropy)
         t1 = time.perf_counter()
         key = (inputs_key, count, with_entropy)
         if key not in ref_cache:
-            ref_cache[key] = run_api(cpu_inp, case, "reference", with_entropy)
+            ref_cache[key] = run_api(cpu_inp, case, ref_backend, with_entropy)
         want = ref_cache[key]
         t2 = time.perf_counter()
         for name, ref in want.items():
             res = testing.compare_bits(got[name][:count], ref)
-            results.append({"case": case.name, "entropy": with_entropy, "output": name} | res)
+            results.append({"case": case.name, "entropy": with_entropy, "output": name,
+                            "rows": count, "against": ref_backend} | res)  # fmt: skip
         log(f"  {case.name} entropy={with_entropy}: triton {t1 - t0:.1f} s, "
-            f"reference ({count} rows, CPU) {t2 - t1:.1f} s")  # fmt: skip
+            f"{ref_backend} backend ({count} of {case.rows} rows, CPU) {t2 - t1:.1f} s")  # fmt: skip
     if case.shards > 1:  # one TP rank's local passes on its own
         lo, hi = (case.shards - 1) * (case.vocab // case.shards), case.vocab
-        got = run_local_passes(inp.rows(count, device), case, "triton", lo, hi)
-        want = run_local_passes(cpu_inp, case, "reference", lo, hi)
+        with triton_path(device, case.value_tables):
+            got = run_local_passes(inp.rows(count, device), case, "triton", lo, hi)
+        want = run_local_passes(cpu_inp, case, ref_backend, lo, hi)
         for name in want:
             res = testing.compare_bits(got[name], want[name])
             results.append({"case": case.name, "entropy": True, "output": name} | res)
@@ -255,11 +333,12 @@ def check_no_sync(device) -> list[dict]:
     return out
 
 
-def run(device, tiny: bool, ref_rows: int, log) -> tuple[list[dict], list[dict]]:
+def run(device, tiny: bool, ref_rows: int | None, log, ref_backend: str | None = None):
     """(bit results, host-sync results) of the whole stage."""
     bits, ref_cache = [], {}
+    ref_backend = ref_backend or cpu_reference()
     for case in bit_cases(tiny):
-        bits += check_bits(case, device, ref_rows, ref_cache, log)
+        bits += check_bits(case, device, ref_rows, ref_cache, log, ref_backend)
     bits += check_finalize_bits(device, 300 if tiny else 20000, log)
     sync = check_no_sync(device) if device.type == "cuda" else []
     return bits, sync

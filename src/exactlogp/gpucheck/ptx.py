@@ -15,6 +15,9 @@ any machine, so these checks run in CI:
 It also reports registers, spills, fp64 divisions and SASS instruction counts (DFMA must
 be 0 outside the IEEE fp64 division sequences, so it is checked on the kernels without a
 division: the max and partials passes). Kernels: max pass, partials pass, finalize, gradient.
+What is compiled is the specialisation a GPU run JITs: launch.py's own launch on the
+Qwen3-Next shape is captured (its arguments, launch options and grid) and bound by
+Triton's own binder, so the dtypes, divisibility hints and constexprs are the real ones.
 It needs the compiled kernels: under TRITON_INTERPRET=1 it refuses to run.
 
     python benchmarks/triton_ptx_check.py [--arch 90] [--quick] [--out DIR]
@@ -40,17 +43,18 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from .. import contract
-from ..backends.triton import kernels, launch
+from ..backends import ShardPlan
+from ..backends.triton import kernels, launch, value_tables
 
 INTERPRETED = "run without TRITON_INTERPRET=1: the check compiles the kernels"
 
-_TYPES = {torch.bfloat16: "*i16", torch.float16: "*fp16", torch.float32: "*fp32"}
-_OUT_BITS = {torch.bfloat16: "*i16", torch.float16: "*i16", torch.float32: "*i32"}
+# The launch whose specialisation is compiled: the Qwen3-Next shape on an H100-sized GPU.
+ROWS, VOCAB, SMS = 1024, 151936, 132
 
 
 @dataclass(frozen=True)
 class Variant:
-    kernel: str  # "row_max" | "partials" | "grad" | "finalize"
+    kernel: str  # "row_max" | "partials" | "grad" | "finalize" | "tables" | "tables_grad"
     dtype: torch.dtype | None  # of the logits; None for finalize, which reads none
     flags: tuple[str, ...] = ()  # "tau", "keep", "entropy"; finalize: "vocab_size", "bad_tau"
 
@@ -67,67 +71,118 @@ def variants(quick: bool) -> list[Variant]:
         Variant("partials", bf16, ("tau", "keep", "entropy")),
         Variant("finalize", None, ("vocab_size", "bad_tau", "disagree")),
         Variant("grad", bf16, ("tau", "keep", "entropy")),
+        # value tables (value_tables.py): count, list and sums; count, list, the values'
+        # gradients, the gather and the target column
+        Variant("tables", bf16, ("tau", "keep", "entropy")),
+        Variant("tables_grad", bf16, ("tau", "keep", "entropy")),
     ]
     if quick:
         return full
     return full + [
         Variant("row_max", f32),
+        Variant("partials", bf16),
         Variant("partials", f16),
         Variant("partials", f32, ("tau", "entropy")),
         Variant("finalize", None),
         Variant("grad", f16),
         Variant("grad", f32, ("tau", "keep", "entropy")),
+        Variant("tables", f16),
+        Variant("tables_grad", f16, ("entropy",)),
     ]
 
 
-def _finalize_signature(v: Variant) -> tuple[object, dict, dict, launch.LaunchConfig]:
-    ptrs = {"max_ptr": "*fp32", "rec_ptr": "*i64", "target_ptr": "*i64", "bad_tau_ptr": "*u8",
-            "disagree_ptr": "*u8", "logprobs_ptr": "*i32", "entropy_ptr": "*i32",
-            "lse_ptr": "*i32", "s_hi_ptr": "*fp64", "s_lo_ptr": "*fp64", "log_s_ptr": "*fp64",
-            "ent64_ptr": "*fp64", "bad_ptr": "*i64", "ignored_ptr": "*u8"}  # fmt: skip
-    ints = {"n_rows": "i32", "stride_rec": "i32", "vocab_size": "i32", "ignore_index": "i64"}
-    constexprs = {"HAS_VOCAB": "vocab_size" in v.flags, "HAS_BAD_TAU": "bad_tau" in v.flags,
-                  "HAS_DISAGREE": "disagree" in v.flags,
-                  "BLOCK_N": launch.FINALIZE_BLOCK_N}  # fmt: skip
-    signature = {**ptrs, **ints, **dict.fromkeys(constexprs, "constexpr")}
-    cfg = launch.LaunchConfig(block_v=launch.FINALIZE_BLOCK_N, num_warps=launch.FINALIZE_NUM_WARPS)
-    return kernels.finalize_kernel, signature, constexprs, cfg
+# --- the launch a GPU run makes, captured instead of run ---
 
 
-def _signature(v: Variant) -> tuple[object, dict, dict, launch.LaunchConfig]:
+class _Capture:
+    """Stands in for a @triton.jit kernel: `kernel[grid](*args, **kwargs)` is recorded."""
+
+    def __init__(self, fn, calls: list):
+        self.fn, self.calls = fn, calls
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.calls.append((self.fn, args, kwargs))
+
+
+_KERNELS = {
+    kernels: ("row_max_kernel", "partials_kernel", "finalize_kernel", "grad_kernel"),
+    value_tables: ("count_kernel", "list_kernel", "sums_kernel", "grad_values_kernel",
+                   "gather_kernel", "grad_target_kernel"),
+}  # fmt: skip
+
+
+def launched(v: Variant, rows: int = ROWS, vocab: int = VOCAB, sms: int = SMS) -> list:
+    """[(kernel, args, kwargs)] of the launches the Triton backend makes for `v` on `rows`
+    x `vocab` logits on a GPU of `sms` multiprocessors (the first of each kernel), from the
+    launch code itself: uninitialised CPU tensors of the real dtypes, shapes and strides
+    stand in for the device ones (the compile specialises on dtypes, pointer alignment and
+    which integers are 1 or multiples of 16, never on values in memory)."""
+    calls: list = []
+    saved = {(m, name): getattr(m, name) for m, names in _KERNELS.items() for name in names}
+    saved_programs = launch._target_programs
+    try:
+        for (module, name), fn in saved.items():
+            setattr(module, name, _Capture(fn, calls))
+        launch._target_programs = lambda device: launch.PROGRAMS_PER_SM * sms
+        _launch(v, rows, vocab)
+    finally:
+        for (module, name), fn in saved.items():
+            setattr(module, name, fn)
+        launch._target_programs = saved_programs
+    first = {}
+    for fn, args, kwargs in calls:
+        first.setdefault(fn, (fn, args, kwargs))
+    return list(first.values())
+
+
+def _launch(v: Variant, rows: int, vocab: int) -> None:
+    empty = torch.empty
+    target = empty(rows, dtype=torch.int64)
+    row_max = empty(rows, dtype=torch.float32)
     if v.kernel == "finalize":
-        return _finalize_signature(v)
-    cfgs = launch.CONFIGS[v.dtype]
-    x = _TYPES[v.dtype]
-    flags = {"IS_BF16": v.dtype == torch.bfloat16, "HAS_TAU": "tau" in v.flags,
-             "HAS_KEEP": "keep" in v.flags}  # fmt: skip
-    ints = ["stride_x", "stride_keep", "stride_tau", "n_real"]
+        launch.finalize(
+            row_max, empty(rows, contract.NUM_COLS, dtype=torch.int64), target,
+            vocab if "vocab_size" in v.flags else None, -100,
+            empty(rows, dtype=torch.bool) if "bad_tau" in v.flags else None,
+            empty(rows, dtype=torch.bool) if "disagree" in v.flags else None,
+        )  # fmt: skip
+        return
+    logits = empty(rows, vocab, dtype=v.dtype)
+    tau = 0.7 if "tau" in v.flags else 1.0
+    keep = empty(rows, vocab, dtype=torch.bool) if "keep" in v.flags else None
+    plan = ShardPlan(0, None, -100, "entropy" in v.flags)
+    f64 = [empty(rows, dtype=torch.float64) for _ in range(8)]
+    stats = contract.GradStats(row_max, *f64, empty(rows, dtype=torch.bool),
+                               empty(rows, dtype=torch.bool))  # fmt: skip
     if v.kernel == "row_max":
-        ptrs = {"x_ptr": x, "keep_ptr": "*u8", "tau_ptr": "*fp32", "out_ptr": "*fp32"}
-        ints += ["cols_per_program"]
-        fn, cfg, extra = kernels.row_max_kernel, cfgs.max_pass, {}
+        launch.row_max(logits, tau, keep, plan)
     elif v.kernel == "partials":
-        ptrs = {"x_ptr": x, "keep_ptr": "*u8", "tau_ptr": "*fp32", "max_ptr": "*fp32",
-                "target_ptr": "*i64", "table_ptr": "*fp64", "out_ptr": "*i64"}  # fmt: skip
-        ints += ["vocab_start", "ignore_index", "cols_per_program"]
-        fn, cfg = kernels.partials_kernel, cfgs.partials
-        extra = {"WITH_ENTROPY": "entropy" in v.flags}
+        launch.partials(logits, target, tau, keep, row_max, plan)
+    elif v.kernel == "grad":
+        launch.grad(logits, target, tau, keep, stats, plan)
+    elif v.kernel == "tables":
+        value_tables.sums(logits, target, tau, keep, None, plan)
     else:
-        ptrs = {"x_ptr": x, "keep_ptr": "*u8", "tau_ptr": "*fp32", "tau64_ptr": "*fp64",
-                "target_ptr": "*i64", "table_ptr": "*fp64", "max_ptr": "*fp32"}  # fmt: skip
-        ptrs |= {
-            f"{k}_ptr": "*fp64"
-            for k in ("s_hi", "s_lo", "log_s", "ent", "coef_a", "coef_b", "coef_t", "coef_l")
-        }
-        ptrs |= {"row_nan_ptr": "*u8", "out_ptr": _OUT_BITS[v.dtype]}
-        ints = ["stride_x", "stride_keep", "stride_tau", "n_cols", "n_real", "vocab_start",
-                "ignore_index"]  # fmt: skip
-        kind = launch._GRAD_KIND[v.dtype][0]
-        fn, cfg = kernels.grad_kernel, cfgs.grad
-        extra = {"WITH_ENTROPY": "entropy" in v.flags, "OUT_KIND": kind}
-    constexprs = {**flags, **extra, "BLOCK_V": cfg.block_v}
-    signature = {**ptrs, **{name: "i32" for name in ints}, **dict.fromkeys(constexprs, "constexpr")}
-    return fn, signature, constexprs, cfg
+        value_tables.grad(logits, target, tau, keep, stats, plan)
+
+
+def compile_launched(fn, args: tuple, kwargs: dict, arch: int):
+    """triton.compile of exactly the specialisation `fn[grid](*args, **kwargs)` would JIT on
+    an sm_`arch` device: Triton's own argument binder and packer (runtime/jit.py), so its
+    signature, constexprs and divisibility attributes are the launch's. Those helpers are
+    Triton internals; pyproject pins the Triton range this was verified with."""
+    from triton.compiler import make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    target = GPUTarget("cuda", arch, 32)
+    backend = make_backend(target)
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    bound, specialization, options = binder(*args, **kwargs)
+    options, signature, constexprs, attrs = fn._pack_args(
+        backend, kwargs, bound, specialization, options
+    )
+    src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+    return triton.compile(src, target=target, options=options.__dict__)
 
 
 # --- the rules ---
@@ -207,20 +262,31 @@ def sass_report(cubin: bytes) -> tuple[int | None, str | None, dict]:
     return (int(regs.group(1)) if regs else None), (spill.group(1) if spill else None), counts
 
 
-def compile_and_check(v: Variant, arch: int) -> Result:
-    fn, signature, constexprs, cfg = _signature(v)
-    src = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
-    options = {"enable_fp_fusion": False, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
-    compiled = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
-    ptx, llir = compiled.asm["ptx"], compiled.asm.get("llir", "")
-    res = Result(variant=v.name, ok=True, problems=check_ptx(ptx, llir, v.kernel))
-    res.f64_ops_ptx = len(re.findall(r"\b(add|sub|mul)\.rn\.f64\b", ptx))
-    res.f64_div_ptx = len(re.findall(r"\bdiv\.rn\.f64\b", ptx))
-    res.registers, res.spills, res.sass_counts = sass_report(compiled.asm.get("cubin", b""))
-    if v.kernel in ("row_max", "partials") and res.sass_counts.get("DFMA"):
-        res.problems.append(f"{res.sass_counts['DFMA']} DFMA in SASS")
-    res.ok = not res.problems
-    return res
+# kernels without an fp64 division: no DFMA may appear in their SASS at all
+_NO_DIVISION = {"row_max_kernel", "partials_kernel", "count_kernel", "list_kernel",
+                "sums_kernel", "gather_kernel"}  # fmt: skip
+
+
+def compile_and_check(v: Variant, arch: int) -> list[Result]:
+    results = []
+    calls = launched(v)
+    for fn, args, kwargs in calls:
+        name = v.name if len(calls) == 1 else f"{v.name}:{fn.__name__.removesuffix('_kernel')}"
+        uses_fp = "enable_fp_fusion" in kwargs or fn.__name__ not in ("count_kernel",
+                                                                      "list_kernel", "gather_kernel")  # fmt: skip
+        if uses_fp and kwargs.get("enable_fp_fusion") is not False:
+            raise RuntimeError(f"{name}: launched without enable_fp_fusion=False")
+        compiled = compile_launched(fn, args, kwargs, arch)
+        ptx, llir = compiled.asm["ptx"], compiled.asm.get("llir", "")
+        res = Result(variant=name, ok=True, problems=check_ptx(ptx, llir, v.kernel))
+        res.f64_ops_ptx = len(re.findall(r"\b(add|sub|mul)\.rn\.f64\b", ptx))
+        res.f64_div_ptx = len(re.findall(r"\bdiv\.rn\.f64\b", ptx))
+        res.registers, res.spills, res.sass_counts = sass_report(compiled.asm.get("cubin", b""))
+        if fn.__name__ in _NO_DIVISION and res.sass_counts.get("DFMA"):
+            res.problems.append(f"{res.sass_counts['DFMA']} DFMA in SASS")
+        res.ok = not res.problems
+        results.append(res)
+    return results
 
 
 def markdown(results: list[Result], arch: int) -> str:
@@ -245,7 +311,7 @@ def check(arch: int, quick: bool) -> list[Result]:
     """Every variant compiled for sm_`arch` and checked; raises where it cannot compile."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise RuntimeError(INTERPRETED)
-    return [compile_and_check(v, arch) for v in variants(quick)]
+    return [r for v in variants(quick) for r in compile_and_check(v, arch)]
 
 
 def main(argv: list[str] | None = None) -> int:

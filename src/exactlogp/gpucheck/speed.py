@@ -2,7 +2,8 @@
 
 Latency, on the TP4 shard and the whole vocabulary, bf16: the registry's candidates at
 TP1 (report/tp1.py: a process group of one rank, so every candidate pays for its
-collectives) — exactlogp's whole forward through the public API, the real megatron-core
+collectives) — exactlogp's whole forward through the public API (as "auto" picks, and
+with the value tables forced off and on), the real megatron-core
 `vocab_parallel_cross_entropy`, eager torch and torch.compile, forward and
 forward+backward — beside exactlogp's parts: the two local passes, the finalize kernel
 alone (and the unfused contract.finalize in torch ops), and on CUDA the forward replayed
@@ -26,7 +27,12 @@ from ..report.tp1 import tp1_steps
 from ..testing import llm_like_logits
 
 HEADLINE = "exactlogp[triton,validate=false]"  # the whole forward through the public API
-CANDIDATES = (HEADLINE, "megatron_ce", "torch_full[row_block=all]", "torch_compile")
+# both Triton paths whatever "auto" picks on this GPU: the direct kernels (fp64 per logit)
+# and the value tables (fp64 per distinct value; backends/triton/value_tables.py)
+TRITON_PATHS = tuple(
+    f"exactlogp[triton,value_tables={mode},validate=false]" for mode in ("never", "always")
+)
+CANDIDATES = (HEADLINE, *TRITON_PATHS, "megatron_ce", "torch_full[row_block=all]", "torch_compile")
 GRAPH = "exactlogp triton (CUDA graph replay, no collectives)"
 
 

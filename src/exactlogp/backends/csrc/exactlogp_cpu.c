@@ -1,30 +1,40 @@
-/* Fused CPU kernels for the contract (exactlogp.CONTRACT): row max, exact row record, gradient.
+/* Fused CPU kernels for the contract (exactlogp.CONTRACT): row max, exact row record,
+ * finalize, gradient.
  *
  * Every element goes through exactly the IEEE operations of exactlogp/contract.py, in the
  * same order, so the results are bitwise those of the torch reference:
  *
  *   1. y = fp32(x) / tau        fp32 division (skipped for a scalar tau == 1)
+ *   2. M = max of valid y       exact in any order
  *   3. e = exp_c(y - M)         binary64 + - * only: Cody-Waite, table, Horner, 2^n from bits
  *   4. (hi, lo) = Q(e), Q(w)    floor and magic-number rint, both exact
  *   5. limb sums                integer-valued doubles summed exactly (< 2^53), then int64
+ *   7. finalize                 contract.finalize per row, scalar binary64, the same order
  *   backward                    p = e / fl(S), the formulas of contract.grad_block (one for
  *                               the target column, one for the others), / tau,
  *                               fp64 -> fp32 -> dtype, each a round to nearest even
  *
  * Built with -ffp-contract=off and without -ffast-math: no FMA, no reassociation. The
  * constants come from the header that exactlogp/backends/cpu_build.py generates from
- * contract.py. The arithmetic is written once with GCC vector extensions (4 doubles,
- * 8 floats); cpu_build compiles it with -mavx2 where the CPU has AVX2, and then the few
- * data-movement primitives below (widen, narrow, floor, 16- and 8-bit loads) use AVX2.
- * Rows are spread over pthreads; a row's result never depends on the thread that ran it.
- * Long rows of 16-bit logits take the value-table path (see "value tables" below): the
- * contract is evaluated once per distinct value of the row instead of once per column.
+ * contract.py. The arithmetic is written once with GCC vector extensions of DW doubles
+ * (FW = 2 DW floats): DW = 8 in the AVX-512 build, 4 in the AVX2 and portable builds; only
+ * the data-movement primitives below (widen, narrow, floor, table lookup, 16- and 8-bit
+ * loads) have an ISA-specific form, and they move bits or floor.
+ *
+ * Rows are spread over a persistent pool of threads; a row's result never depends on the
+ * thread that ran it. Long rows of 16-bit logits (and fp32 rows whose values are all
+ * exactly bf16) take the value-table path (see "value tables" below): the contract is
+ * evaluated once per distinct value of the row instead of once per column. When the shard
+ * is the whole vocabulary (no TP group), `elp_forward` runs stages 2-7 of each row in one
+ * go: the row is read once, and M is the largest of its distinct values.
  */
 #include <pthread.h>
+#include <sched.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <time.h>
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -33,18 +43,27 @@
 
 #define ELP_INLINE static inline __attribute__((always_inline))
 
-typedef double v4d __attribute__((vector_size(32)));
-typedef int64_t v4l __attribute__((vector_size(32)));
-typedef uint64_t v4ul __attribute__((vector_size(32)));
-typedef float v8f __attribute__((vector_size(32)));
-typedef int32_t v8i __attribute__((vector_size(32)));
-typedef uint32_t v8u __attribute__((vector_size(32)));
-typedef uint16_t v8h __attribute__((vector_size(16)));
-typedef uint8_t v8b __attribute__((vector_size(8)));
+/* DW doubles per vector; a step handles V4 = 2 V8 such vectors, LANES columns. */
+#if defined(__AVX512F__)
+#define ELP_DW 8
+#else
+#define ELP_DW 4
+#endif
+#define ELP_V8 4
+enum { DW = ELP_DW, FW = 2 * ELP_DW, V8 = ELP_V8, V4 = 2 * ELP_V8, LANES = FW * ELP_V8 };
+
+typedef double vd __attribute__((vector_size(8 * ELP_DW)));
+typedef int64_t vl __attribute__((vector_size(8 * ELP_DW)));
+typedef uint64_t vul __attribute__((vector_size(8 * ELP_DW)));
+typedef float vf __attribute__((vector_size(8 * ELP_DW)));
+typedef int32_t vi __attribute__((vector_size(8 * ELP_DW)));
+typedef uint32_t vu __attribute__((vector_size(8 * ELP_DW)));
+typedef uint16_t vh __attribute__((vector_size(4 * ELP_DW)));
+typedef uint8_t vb __attribute__((vector_size(2 * ELP_DW)));
 
 enum { ELP_F32 = 0, ELP_BF16 = 1, ELP_F16 = 2 };
 
-/* One shard of logits as the three passes see it (mirrored by cpu.py's ctypes struct). */
+/* One shard of logits as the passes see it (mirrored by cpu.py's ctypes struct). */
 typedef struct {
     const void *x;          /* [n_rows, row_stride] logits, unit column stride */
     int64_t row_stride;     /* in elements */
@@ -56,144 +75,262 @@ typedef struct {
     double tau;            /* scalar temperature when tau_rows is NULL */
     int32_t dtype;         /* ELP_F32, ELP_BF16, ELP_F16 */
     int32_t num_threads;
-    int64_t table_min_cols; /* 16-bit rows with at least this many real columns take the
-                               value-table path; < 0: never */
+    int64_t table_min_cols; /* rows with at least this many real columns take the value-table
+                               path (16-bit rows; fp32 rows whose values are exactly bf16);
+                               < 0: never */
+    const int64_t *target;  /* [n_rows] global target ids (not read by the row max pass) */
+    int64_t vocab_start;    /* global id of local column 0 */
+    int64_t vocab_size;     /* finalize's range check; < 0: not given */
+    int64_t ignore_index;
+    /* rows in two levels, as a (B, T, V) view such as logits[:, :-1, :] is read without a
+       copy: row r is row r % rows_inner of block r / rows_inner, and row_stride (and
+       keep_stride) step within a block, outer_stride (keep_outer_stride) between blocks */
+    int64_t rows_inner; /* >= 1; n_rows (or more) for plain (N, V) rows */
+    int64_t outer_stride, keep_outer_stride;
 } elp_shard;
 
-/* Per-row statistics of backward, all [n_rows] (contract.GradStats plus the target). */
+/* Per-row statistics of backward, all [n_rows] (contract.GradStats). */
 typedef struct {
     const float *row_max;
     const double *s_hi, *s_lo, *log_s, *entropy64, *coef_a, *coef_b, *coef_t, *coef_l;
     const uint8_t *row_nan;
-    const int64_t *target_col; /* local column of the target, -1 where not owned */
 } elp_grad_stats;
+
+/* The per-row results of forward (contract.Finalized plus the max and the record), all
+   [n_rows]; finalize reads row_max and record, the fused forward writes them. */
+typedef struct {
+    float *row_max;
+    int64_t *record; /* [n_rows, ELP_NUM_COLS] */
+    float *logprobs, *entropy, *lse;
+    double *s_hi, *s_lo, *log_s, *entropy64;
+    int64_t *bad;
+    uint8_t *ignored;
+} elp_rows;
 
 /* ------------------------------------------------------------------ small vector tools */
 
-ELP_INLINE v4d splat4(double v) { return (v4d){v, v, v, v}; }
-ELP_INLINE v8f splat8(float v) { return (v8f){v, v, v, v, v, v, v, v}; }
-ELP_INLINE v4d select4(v4l m, v4d a, v4d b) { return (v4d)(((v4l)a & m) | ((v4l)b & ~m)); }
-ELP_INLINE v8f select8(v8i m, v8f a, v8f b) { return (v8f)(((v8i)a & m) | ((v8i)b & ~m)); }
+ELP_INLINE vd splatd(double v) {
+    vd r;
+    for (int i = 0; i < DW; ++i) r[i] = v;
+    return r;
+}
+ELP_INLINE vf splatf(float v) {
+    vf r;
+    for (int i = 0; i < FW; ++i) r[i] = v;
+    return r;
+}
+ELP_INLINE vd selectd(vl m, vd a, vd b) { return (vd)(((vl)a & m) | ((vl)b & ~m)); }
+ELP_INLINE vf selectf(vi m, vf a, vf b) { return (vf)(((vi)a & m) | ((vi)b & ~m)); }
 
-ELP_INLINE v4d and4(v4l m, v4d a) { return (v4d)((v4l)a & m); } /* a where m, else +0 */
+ELP_INLINE vd andd(vl m, vd a) { return (vd)((vl)a & m); } /* a where m, else +0 */
+
+static const double exp2_table[1 << ELP_TABLE_BITS] = ELP_EXP2_TABLE;
+static const double exp_poly[ELP_EXP_POLY_LEN] = ELP_EXP_POLY;
+static const double log_poly[ELP_LOG_POLY_LEN] = ELP_LOG_POLY;
 
 /* --- data movement: one definition per ISA, same results (they move bits, or floor) --- */
 
-#if defined(__AVX2__)
-ELP_INLINE v4d widen_lo(v8f y) { return (v4d)_mm256_cvtps_pd(_mm256_castps256_ps128((__m256)y)); }
-ELP_INLINE v4d widen_hi(v8f y) { return (v4d)_mm256_cvtps_pd(_mm256_extractf128_ps((__m256)y, 1)); }
-ELP_INLINE v4l widen_mask_lo(v8i m) {
-    return (v4l)_mm256_cvtepi32_epi64(_mm256_castsi256_si128((__m256i)m));
+#if defined(__AVX512F__)
+ELP_INLINE vd widen_lo(vf y) { return (vd)_mm512_cvtps_pd(_mm512_castps512_ps256((__m512)y)); }
+ELP_INLINE vd widen_hi(vf y) {
+    return (vd)_mm512_cvtps_pd(_mm512_extractf32x8_ps((__m512)y, 1));
 }
-ELP_INLINE v4l widen_mask_hi(v8i m) {
-    return (v4l)_mm256_cvtepi32_epi64(_mm256_extracti128_si256((__m256i)m, 1));
+ELP_INLINE vl widen_mask_lo(vi m) {
+    return (vl)_mm512_cvtepi32_epi64(_mm512_castsi512_si256((__m512i)m));
 }
-ELP_INLINE v8f narrow(v4d lo, v4d hi) { /* fp64 -> fp32, round to nearest even */
+ELP_INLINE vl widen_mask_hi(vi m) {
+    return (vl)_mm512_cvtepi32_epi64(_mm512_extracti64x4_epi64((__m512i)m, 1));
+}
+ELP_INLINE vl widen_u32_lo(vu u) {
+    return (vl)_mm512_cvtepu32_epi64(_mm512_castsi512_si256((__m512i)u));
+}
+ELP_INLINE vl widen_u32_hi(vu u) {
+    return (vl)_mm512_cvtepu32_epi64(_mm512_extracti64x4_epi64((__m512i)u, 1));
+}
+ELP_INLINE vf narrow(vd lo, vd hi) { /* fp64 -> fp32, round to nearest even */
+    __m256 a = _mm512_cvtpd_ps((__m512d)lo), b = _mm512_cvtpd_ps((__m512d)hi);
+    return (vf)_mm512_insertf32x8(_mm512_castps256_ps512(a), b, 1);
+}
+ELP_INLINE vu load_u16(const void *p) {
+    return (vu)_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
+}
+ELP_INLINE vi load_u8(const uint8_t *p) {
+    return (vi)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+}
+ELP_INLINE void store_u16(void *p, vu v) { /* every value fits: truncation is exact */
+    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16((__m512i)v));
+}
+ELP_INLINE vd floord(vd s) {
+    return (vd)_mm512_roundscale_pd((__m512d)s, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+}
+/* table[j] for j in [0, 32): two two-register permutes and a blend pick the entries */
+ELP_INLINE vd table_lookup(const double *table, vl j) {
+    __m512i idx = (__m512i)j;
+    __m512d lo = _mm512_permutex2var_pd(_mm512_loadu_pd(table), idx, _mm512_loadu_pd(table + 8));
+    __m512d hi =
+        _mm512_permutex2var_pd(_mm512_loadu_pd(table + 16), idx, _mm512_loadu_pd(table + 24));
+    return (vd)_mm512_mask_blend_pd(_mm512_test_epi64_mask(idx, _mm512_set1_epi64(16)), lo, hi);
+}
+#elif defined(__AVX2__)
+ELP_INLINE vd widen_lo(vf y) { return (vd)_mm256_cvtps_pd(_mm256_castps256_ps128((__m256)y)); }
+ELP_INLINE vd widen_hi(vf y) { return (vd)_mm256_cvtps_pd(_mm256_extractf128_ps((__m256)y, 1)); }
+ELP_INLINE vl widen_mask_lo(vi m) {
+    return (vl)_mm256_cvtepi32_epi64(_mm256_castsi256_si128((__m256i)m));
+}
+ELP_INLINE vl widen_mask_hi(vi m) {
+    return (vl)_mm256_cvtepi32_epi64(_mm256_extracti128_si256((__m256i)m, 1));
+}
+ELP_INLINE vl widen_u32_lo(vu u) {
+    return (vl)_mm256_cvtepu32_epi64(_mm256_castsi256_si128((__m256i)u));
+}
+ELP_INLINE vl widen_u32_hi(vu u) {
+    return (vl)_mm256_cvtepu32_epi64(_mm256_extracti128_si256((__m256i)u, 1));
+}
+ELP_INLINE vf narrow(vd lo, vd hi) { /* fp64 -> fp32, round to nearest even */
     __m128 a = _mm256_cvtpd_ps((__m256d)lo), b = _mm256_cvtpd_ps((__m256d)hi);
-    return (v8f)_mm256_insertf128_ps(_mm256_castps128_ps256(a), b, 1);
+    return (vf)_mm256_insertf128_ps(_mm256_castps128_ps256(a), b, 1);
 }
-ELP_INLINE v8u load_u16x8(const void *p) {
-    return (v8u)_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
+ELP_INLINE vu load_u16(const void *p) {
+    return (vu)_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
 }
-ELP_INLINE v8i load_u8x8(const uint8_t *p) {
-    return (v8i)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+ELP_INLINE vi load_u8(const uint8_t *p) {
+    return (vi)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
 }
-ELP_INLINE void store_u16x8(void *p, v8u v) { /* every value fits: packus == truncation */
+ELP_INLINE void store_u16(void *p, vu v) { /* every value fits: packus == truncation */
     __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128((__m256i)v),
                                       _mm256_extracti128_si256((__m256i)v, 1));
     _mm_storeu_si128((__m128i *)p, packed);
 }
-ELP_INLINE v4d floor4(v4d s) { return (v4d)_mm256_floor_pd((__m256d)s); }
+ELP_INLINE vd floord(vd s) { return (vd)_mm256_floor_pd((__m256d)s); }
+/* Four scalar loads: on the AMD Zen 3 this was tuned on they beat vgatherqpd by about
+   13 % in the partials pass. */
+ELP_INLINE vd table_lookup(const double *table, vl j) {
+    return (vd){table[j[0]], table[j[1]], table[j[2]], table[j[3]]};
+}
 #else
-ELP_INLINE v4d widen_lo(v8f y) { return (v4d){y[0], y[1], y[2], y[3]}; }
-ELP_INLINE v4d widen_hi(v8f y) { return (v4d){y[4], y[5], y[6], y[7]}; }
-ELP_INLINE v4l widen_mask_lo(v8i m) { return (v4l){m[0], m[1], m[2], m[3]}; }
-ELP_INLINE v4l widen_mask_hi(v8i m) { return (v4l){m[4], m[5], m[6], m[7]}; }
-ELP_INLINE v8f narrow(v4d lo, v4d hi) {
-    return (v8f){(float)lo[0], (float)lo[1], (float)lo[2], (float)lo[3],
-                 (float)hi[0], (float)hi[1], (float)hi[2], (float)hi[3]};
+ELP_INLINE vd widen_lo(vf y) {
+    vd r;
+    for (int i = 0; i < DW; ++i) r[i] = y[i];
+    return r;
 }
-ELP_INLINE v8u load_u16x8(const void *p) {
-    v8h h;
+ELP_INLINE vd widen_hi(vf y) {
+    vd r;
+    for (int i = 0; i < DW; ++i) r[i] = y[DW + i];
+    return r;
+}
+ELP_INLINE vl widen_mask_lo(vi m) {
+    vl r;
+    for (int i = 0; i < DW; ++i) r[i] = m[i];
+    return r;
+}
+ELP_INLINE vl widen_mask_hi(vi m) {
+    vl r;
+    for (int i = 0; i < DW; ++i) r[i] = m[DW + i];
+    return r;
+}
+ELP_INLINE vl widen_u32_lo(vu u) {
+    vl r;
+    for (int i = 0; i < DW; ++i) r[i] = u[i];
+    return r;
+}
+ELP_INLINE vl widen_u32_hi(vu u) {
+    vl r;
+    for (int i = 0; i < DW; ++i) r[i] = u[DW + i];
+    return r;
+}
+ELP_INLINE vf narrow(vd lo, vd hi) {
+    vf r;
+    for (int i = 0; i < DW; ++i) r[i] = (float)lo[i], r[DW + i] = (float)hi[i];
+    return r;
+}
+ELP_INLINE vu load_u16(const void *p) {
+    vh h;
     memcpy(&h, p, sizeof h);
-    return __builtin_convertvector(h, v8u);
+    return __builtin_convertvector(h, vu);
 }
-ELP_INLINE v8i load_u8x8(const uint8_t *p) {
-    v8b b;
+ELP_INLINE vi load_u8(const uint8_t *p) {
+    vb b;
     memcpy(&b, p, sizeof b);
-    return __builtin_convertvector(b, v8i);
+    return __builtin_convertvector(b, vi);
 }
-ELP_INLINE void store_u16x8(void *p, v8u v) {
-    v8h h = __builtin_convertvector(v, v8h);
+ELP_INLINE void store_u16(void *p, vu v) {
+    vh h = __builtin_convertvector(v, vh);
     memcpy(p, &h, sizeof h);
 }
-ELP_INLINE v4d floor4(v4d s) { /* for 0 <= s < 2^52: nearest integer, then step down */
-    v4d near = (s + 0x1p52) - 0x1p52;
-    return near - and4((v4l)(near > s), splat4(1.0));
+ELP_INLINE vd floord(vd s) { /* for 0 <= s < 2^52: nearest integer, then step down */
+    vd near = (s + 0x1p52) - 0x1p52;
+    return near - andd((vl)(near > s), splatd(1.0));
+}
+ELP_INLINE vd table_lookup(const double *table, vl j) {
+    vd r;
+    for (int i = 0; i < DW; ++i) r[i] = table[j[i]];
+    return r;
 }
 #endif
 
 /* ------------------------------------------------------------------ 1. load and scale */
 
 /* fp16 bits -> fp32, exact; a NaN comes out quiet, as the hardware conversion gives it. */
-ELP_INLINE v8f half_to_float(v8u h) {
-    v8u mag = h & 0x7FFF, sign = (h & 0x8000) << 16;
-    v8u normal = (mag << 13) + 0x38000000u; /* exponent bias 15 -> 127 */
-    v8u special = normal + 0x38000000u;     /* exponent 31 -> 255: inf, NaN */
-    special |= (v8u)((v8i)(mag > 0x7C00u)) & 0x00400000u;
-    v8f tiny = __builtin_convertvector(mag & 0x3FF, v8f) * 0x1p-24f; /* zero, subnormal */
-    v8u exp = mag & 0x7C00;
-    v8u out = (v8u)select8((v8i)(exp == 0), tiny, (v8f)normal);
-    out = (v8u)select8((v8i)(exp == 0x7C00), (v8f)special, (v8f)out);
-    return (v8f)(out | sign);
+ELP_INLINE vf half_to_float(vu h) {
+    vu mag = h & 0x7FFF, sign = (h & 0x8000) << 16;
+    vu normal = (mag << 13) + 0x38000000u; /* exponent bias 15 -> 127 */
+    vu special = normal + 0x38000000u;     /* exponent 31 -> 255: inf, NaN */
+    special |= (vu)((vi)(mag > 0x7C00u)) & 0x00400000u;
+    vf tiny = __builtin_convertvector(mag & 0x3FF, vf) * 0x1p-24f; /* zero, subnormal */
+    vu exp = mag & 0x7C00;
+    vu out = (vu)selectf((vi)(exp == 0), tiny, (vf)normal);
+    out = (vu)selectf((vi)(exp == 0x7C00), (vf)special, (vf)out);
+    return (vf)(out | sign);
 }
 
-/* Eight logits from `p` as fp32 (exact widening). */
-ELP_INLINE v8f load8(const void *p, const int dtype) {
+/* FW fp16 values as fp32: the F16C conversion where the build has it (exact; a NaN comes
+   out quiet with its payload, as half_to_float gives it), else half_to_float. */
+ELP_INLINE vf load_half(const void *p) {
+#if defined(__AVX512F__)
+    return (vf)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+#elif defined(__F16C__)
+    return (vf)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+#else
+    return half_to_float(load_u16(p));
+#endif
+}
+
+/* FW logits from `p` as fp32 (exact widening). */
+ELP_INLINE vf loadf(const void *p, const int dtype) {
     if (dtype == ELP_F32) {
-        v8f v;
+        vf v;
         memcpy(&v, p, sizeof v);
         return v;
     }
-    v8u u = load_u16x8(p);
-    return dtype == ELP_BF16 ? (v8f)(u << 16) : half_to_float(u);
+    return dtype == ELP_BF16 ? (vf)(load_u16(p) << 16) : load_half(p);
 }
 
-ELP_INLINE v8i load_keep8(const uint8_t *p) { return load_u8x8(p) != 0; }
+ELP_INLINE vi load_keep(const uint8_t *p) { return load_u8(p) != 0; }
 
 /* ------------------------------------------------------------------ 3. contract exp */
 
-/* Every step handles V4 vectors of four doubles (LANES columns) stage by stage across all
-   of them, so that their long dependency chains (Horner, division) interleave: the loop is
-   latency-bound otherwise. On Zen 3, V4 = 8 ran 8-13 % faster than 4 and about 25 %
-   faster than 2; 12 and 16 gained nothing more. */
-enum { V8 = 4, V4 = 2 * V8, LANES = 8 * V8 };
-
-static const double exp2_table[1 << ELP_TABLE_BITS] = ELP_EXP2_TABLE;
-static const double exp_poly[ELP_EXP_POLY_LEN] = ELP_EXP_POLY;
-
-/* Four table entries. Four scalar loads: on the AMD Zen 3 this was tuned on they beat
-   vgatherqpd by about 13 % in the partials pass. */
-ELP_INLINE v4d gather4(const double *table, v4l j) {
-    return (v4d){table[j[0]], table[j[1]], table[j[2]], table[j[3]]};
-}
+/* Every step handles V4 vectors of DW doubles (LANES columns) stage by stage across all of
+   them, so that their long dependency chains (Horner, division) interleave: the loop is
+   latency-bound otherwise. On Zen 3 (AVX2), V4 = 8 ran 8-13 % faster than 4 and about
+   25 % faster than 2; on Zen 5 (AVX-512, 8 doubles per vector) V4 = 8 ran 10-15 % faster
+   than 4 and about 40 % faster than 2. */
 
 /* exp(d) for d in [CUTOFF, 0]: contract.exp_c, operation for operation. */
-ELP_INLINE void exp_c(const v4d d[V4], v4d e[V4]) {
-    v4d tm[V4], kd[V4], r[V4], p[V4];
+ELP_INLINE void exp_c(const vd d[V4], vd e[V4]) {
+    vd tm[V4], kd[V4], r[V4], p[V4];
     for (int i = 0; i < V4; ++i) tm[i] = d[i] * ELP_INV_LN2_32 + ELP_MAGIC;
     for (int i = 0; i < V4; ++i) kd[i] = tm[i] - ELP_MAGIC; /* rint_even(d / (ln2/32)) */
     for (int i = 0; i < V4; ++i) r[i] = (d[i] - kd[i] * ELP_LN2_32_HI) - kd[i] * ELP_LN2_32_LO;
-    for (int i = 0; i < V4; ++i) p[i] = splat4(exp_poly[0]);
+    for (int i = 0; i < V4; ++i) p[i] = splatd(exp_poly[0]);
     for (int c = 1; c < ELP_EXP_POLY_LEN; ++c) /* Horner, no FMA */
         for (int i = 0; i < V4; ++i) p[i] = p[i] * r[i] + exp_poly[c];
     for (int i = 0; i < V4; ++i) {
-        v4l k = (v4l)tm[i] - (v4l)splat4(ELP_MAGIC); /* the integer kd, from the bits */
-        v4d tab = gather4(exp2_table, k & ((1 << ELP_TABLE_BITS) - 1));
+        vl k = (vl)tm[i] - (vl)splatd(ELP_MAGIC); /* the integer kd, from the bits */
+        vd tab = table_lookup(exp2_table, k & ((1 << ELP_TABLE_BITS) - 1));
         /* 2^(k >> TABLE_BITS) from its bits: k >= -2^12, so with the exponent bias (times
            the table size) added the value is >= 0 and a logical shift is the floor */
-        v4ul biased = (v4ul)(k + (1023 << ELP_TABLE_BITS));
-        e[i] = (tab * p[i]) * (v4d)((biased >> ELP_TABLE_BITS) << 52);
+        vul biased = (vul)(k + (1023 << ELP_TABLE_BITS));
+        e[i] = (tab * p[i]) * (vd)((biased >> ELP_TABLE_BITS) << 52);
     }
 }
 
@@ -204,36 +341,38 @@ ELP_INLINE void exp_c(const v4d d[V4], v4d e[V4]) {
 enum { FLUSH_STEPS = (1 << (53 - ELP_FRAC_BITS)) / V4 };
 
 typedef struct {
-    v4d e_hi, e_lo, w_hi, w_lo;
+    vd e_hi, e_lo, w_hi, w_lo;
     int64_t total[4]; /* flushed sums: E_HI, E_LO, W_HI, W_LO */
-    v8i nonfinite;    /* minus the count, per lane */
+    vi nonfinite;     /* minus the count, per lane */
 } row_sums;
 
-ELP_INLINE v4d exact_sum(const v4d v[V4]) { /* integer-valued, < 2^53: any order is exact */
-    v4d acc = v[0];
+ELP_INLINE vd exact_sum(const vd v[V4]) { /* integer-valued, < 2^53: any order is exact */
+    vd acc = v[0];
     for (int i = 1; i < V4; ++i) acc += v[i];
     return acc;
 }
 
 /* contract.quantize of v in [0, 1]: hi = floor(v 2^42), lo = rint_even((v 2^42 - hi) 2^42),
-   as integer-valued doubles, added to the lane sums. */
-ELP_INLINE void quantize(const v4d v[V4], v4d hi[V4], v4d lo[V4]) {
+   as integer-valued doubles. */
+ELP_INLINE void quantize(const vd v[V4], vd hi[V4], vd lo[V4]) {
     for (int i = 0; i < V4; ++i) {
-        v4d s = v[i] * ELP_LIMB_SCALE;
-        hi[i] = floor4(s); /* the contract truncates to int64: the same for s >= 0 */
+        vd s = v[i] * ELP_LIMB_SCALE;
+        hi[i] = floord(s); /* the contract truncates to int64: the same for s >= 0 */
         lo[i] = ((s - hi[i]) * ELP_LIMB_SCALE + ELP_MAGIC) - ELP_MAGIC;
     }
 }
 
-ELP_INLINE void quantize_add(const v4d v[V4], v4d *sum_hi, v4d *sum_lo) {
-    v4d hi[V4], lo[V4];
+ELP_INLINE void quantize_add(const vd v[V4], vd *sum_hi, vd *sum_lo) {
+    vd hi[V4], lo[V4];
     quantize(v, hi, lo);
     *sum_hi += exact_sum(hi);
     *sum_lo += exact_sum(lo);
 }
 
-ELP_INLINE int64_t lanes_total(v4d v) {
-    return (int64_t)v[0] + (int64_t)v[1] + (int64_t)v[2] + (int64_t)v[3];
+ELP_INLINE int64_t lanes_total(vd v) {
+    int64_t t = 0;
+    for (int i = 0; i < DW; ++i) t += (int64_t)v[i];
+    return t;
 }
 
 ELP_INLINE void flush(row_sums *s) {
@@ -241,12 +380,12 @@ ELP_INLINE void flush(row_sums *s) {
     s->total[1] += lanes_total(s->e_lo);
     s->total[2] += lanes_total(s->w_hi);
     s->total[3] += lanes_total(s->w_lo);
-    s->e_hi = s->e_lo = s->w_hi = s->w_lo = splat4(0.0);
+    s->e_hi = s->e_lo = s->w_hi = s->w_lo = splatd(0.0);
 }
 
 /* ------------------------------------------------------------------ the element steps */
 
-ELP_INLINE void widen(const v8f y8[V8], const v8i valid8[V8], v4d y[V4], v4l valid[V4]) {
+ELP_INLINE void widen(const vf y8[V8], const vi valid8[V8], vd y[V4], vl valid[V4]) {
     for (int q = 0; q < V8; ++q) {
         y[2 * q] = widen_lo(y8[q]);
         y[2 * q + 1] = widen_hi(y8[q]);
@@ -256,48 +395,50 @@ ELP_INLINE void widen(const v8f y8[V8], const v8i valid8[V8], v4d y[V4], v4l val
 }
 
 /* d = y - M; term = valid & CUTOFF <= d <= 0 (NaN, +-inf fail a compare); dz = term ? d : 0 */
-ELP_INLINE void terms(const v4d y[V4], const v4l valid[V4], v4d m, v4l term[V4], v4d dz[V4]) {
+ELP_INLINE void terms(const vd y[V4], const vl valid[V4], vd m, vl term[V4], vd dz[V4]) {
     for (int i = 0; i < V4; ++i) {
-        v4d d = y[i] - m;
+        vd d = y[i] - m;
         term[i] = valid[i] & (d >= ELP_CUTOFF) & (d <= 0.0);
-        dz[i] = and4(term[i], d);
+        dz[i] = andd(term[i], d);
     }
 }
 
 /* e of LANES columns, +0 where a column is not a term, and dz (contract stages 2-3). */
-ELP_INLINE void term_exps(const v8f y8[V8], const v8i valid8[V8], v4d m, v4d e[V4], v4d dz[V4]) {
-    v4d y[V4];
-    v4l valid[V4], term[V4];
+ELP_INLINE void term_exps(const vf y8[V8], const vi valid8[V8], vd m, vd e[V4], vd dz[V4]) {
+    vd y[V4];
+    vl valid[V4], term[V4];
     widen(y8, valid8, y, valid);
     terms(y, valid, m, term, dz);
     exp_c(dz, e);
-    for (int i = 0; i < V4; ++i) e[i] = and4(term[i], e[i]);
+    for (int i = 0; i < V4; ++i) e[i] = andd(term[i], e[i]);
 }
 
+ELP_INLINE vi nonfinite_lanes(vf y, vi valid) { return valid & ~(y < __builtin_inff()); }
+
 /* Add LANES columns to the row sums (contract.partials). */
-ELP_INLINE void partials_step(const v8f y8[V8], const v8i valid8[V8], v4d m, row_sums *s,
+ELP_INLINE void partials_step(const vf y8[V8], const vi valid8[V8], vd m, row_sums *s,
                               const int entropy) {
-    v4d dz[V4], e[V4];
+    vd dz[V4], e[V4];
     term_exps(y8, valid8, m, e, dz);
     quantize_add(e, &s->e_hi, &s->e_lo);
     if (entropy) {
-        v4d w[V4];
+        vd w[V4];
         for (int i = 0; i < V4; ++i) w[i] = e[i] * (-dz[i]);
         quantize_add(w, &s->w_hi, &s->w_lo);
     }
-    for (int q = 0; q < V8; ++q) s->nonfinite += valid8[q] & ~(y8[q] < __builtin_inff());
+    for (int q = 0; q < V8; ++q) s->nonfinite += nonfinite_lanes(y8[q], valid8[q]);
 }
 
 typedef struct {
-    v4d m, s_hi, s_lo, log_s, h, a, b, c, l, tau;
+    vd m, s_hi, s_lo, log_s, h, a, b, c, l, tau;
     int divide;
 } grad_row;
 
 /* What both gradient formulas need of LANES columns: e (+0 without a term), p = e / fl(S)
    and, with entropy, b q = b ((d - log S) + H). */
-ELP_INLINE void grad_terms(const v8f y8[V8], const v8i valid8[V8], const grad_row *g,
-                           const int entropy, v4d e[V4], v4d p[V4], v4d bq[V4]) {
-    v4d dz[V4];
+ELP_INLINE void grad_terms(const vf y8[V8], const vi valid8[V8], const grad_row *g,
+                           const int entropy, vd e[V4], vd p[V4], vd bq[V4]) {
+    vd dz[V4];
     term_exps(y8, valid8, g->m, e, dz);
     for (int i = 0; i < V4; ++i) {
         p[i] = e[i] / g->s_hi;
@@ -305,7 +446,7 @@ ELP_INLINE void grad_terms(const v8f y8[V8], const v8i valid8[V8], const grad_ro
     }
 }
 
-ELP_INLINE void finish_step(v4d out[V4], const grad_row *g, v8f out8[V8]) {
+ELP_INLINE void finish_step(vd out[V4], const grad_row *g, vf out8[V8]) {
     for (int i = 0; i < V4; ++i)
         if (g->divide) out[i] = out[i] / g->tau;
     for (int q = 0; q < V8; ++q) out8[q] = narrow(out[2 * q], out[2 * q + 1]);
@@ -314,23 +455,23 @@ ELP_INLINE void finish_step(v4d out[V4], const grad_row *g, v8f out8[V8]) {
 /* LANES gradients of columns that are not the target, in fp32 (contract.grad_block before
    the NaN rows and the cast to dtype): p * (a - b q), or p * a; +0 without a term (there
    term_exps leaves e = +0, and a term's e is at least exp(CUTOFF) > 0). */
-ELP_INLINE void grad_step(const v8f y8[V8], const v8i valid8[V8], const grad_row *g,
-                          const int entropy, v8f out8[V8]) {
-    v4d e[V4], p[V4], bq[V4], out[V4];
+ELP_INLINE void grad_step(const vf y8[V8], const vi valid8[V8], const grad_row *g,
+                          const int entropy, vf out8[V8]) {
+    vd e[V4], p[V4], bq[V4], out[V4];
     grad_terms(y8, valid8, g, entropy, e, p, bq);
     for (int i = 0; i < V4; ++i)
-        out[i] = and4((v4l)(e[i] > 0.0), entropy ? p[i] * (g->a - bq[i]) : p[i] * g->a);
+        out[i] = andd((vl)(e[i] > 0.0), entropy ? p[i] * (g->a - bq[i]) : p[i] * g->a);
     finish_step(out, g, out8);
 }
 
 /* The target column's gradient (lane 0 of a step loaded at the target): c (1 - p_t) +
    p_t (l - b q_t), with 1 - p_t = ((s_hi - e_t) + s_lo) / s_hi from the exact S. */
-ELP_INLINE void target_step(const v8f y8[V8], const v8i valid8[V8], const grad_row *g,
-                            const int entropy, v8f out8[V8]) {
-    v4d e[V4], p[V4], bq[V4], out[V4];
+ELP_INLINE void target_step(const vf y8[V8], const vi valid8[V8], const grad_row *g,
+                            const int entropy, vf out8[V8]) {
+    vd e[V4], p[V4], bq[V4], out[V4];
     grad_terms(y8, valid8, g, entropy, e, p, bq);
     for (int i = 0; i < V4; ++i) {
-        v4d one_minus_p = ((g->s_hi - e[i]) + g->s_lo) / g->s_hi;
+        vd one_minus_p = ((g->s_hi - e[i]) + g->s_lo) / g->s_hi;
         out[i] = g->c * one_minus_p + (entropy ? p[i] * (g->l - bq[i]) : p[i] * g->l);
     }
     finish_step(out, g, out8);
@@ -338,38 +479,42 @@ ELP_INLINE void target_step(const v8f y8[V8], const v8i valid8[V8], const grad_r
 
 /* ------------------------------------------------------------------ casts of the gradient */
 
-ELP_INLINE v8u select8u(v8i m, v8u a, v8u b) { return (a & (v8u)m) | (b & ~(v8u)m); }
-ELP_INLINE v8u splat8u(uint32_t v) { return (v8u){v, v, v, v, v, v, v, v}; }
+ELP_INLINE vu selectu(vi m, vu a, vu b) { return (a & (vu)m) | (b & ~(vu)m); }
+ELP_INLINE vu splatu(uint32_t v) {
+    vu r;
+    for (int i = 0; i < FW; ++i) r[i] = v;
+    return r;
+}
 
 /* fp32 -> bf16 bits, round to nearest even; every NaN becomes 0xFFFF, as torch's cast. */
-ELP_INLINE v8u float_to_bf16(v8f f) {
-    v8u u = (v8u)f;
-    v8u rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-    return select8u(f != f, splat8u(0xFFFF), rounded);
+ELP_INLINE vu float_to_bf16(vf f) {
+    vu u = (vu)f;
+    vu rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+    return selectu(f != f, splatu(0xFFFF), rounded);
 }
 
 /* fp32 -> fp16 bits, round to nearest even, overflow to inf, NaN quiet with its sign. */
-ELP_INLINE v8u float_to_half(v8f f) {
-    v8u u = (v8u)f, mag = u & 0x7FFFFFFFu, sign = (u >> 16) & 0x8000u;
+ELP_INLINE vu float_to_half(vf f) {
+    vu u = (vu)f, mag = u & 0x7FFFFFFFu, sign = (u >> 16) & 0x8000u;
     /* normal results: rebias the exponent 127 -> 15 and round away 13 bits, ties to even;
        a carry moves into the exponent, and anything past 0x7C00 is an overflow to inf */
-    v8u normal = ((mag - 0x38000000u) + 0xFFFu + ((mag >> 13) & 1u)) >> 13;
-    normal = select8u((v8i)normal > 0x7C00, splat8u(0x7C00), normal);
+    vu normal = ((mag - 0x38000000u) + 0xFFFu + ((mag >> 13) & 1u)) >> 13;
+    normal = selectu((vi)normal > 0x7C00, splatu(0x7C00), normal);
     /* subnormal results, |f| < 2^-14: |f| 2^24 rounded to an integer by adding 2^23 */
-    v8u tiny = (v8u)((v8f)mag * 0x1p24f + 0x1p23f) - 0x4B000000u;
-    v8u nan = 0x7E00u | ((mag >> 13) & 0x1FFu);
-    v8u out = select8u((v8i)mag < 0x38800000, tiny, normal);
-    out = select8u((v8i)mag > 0x7F800000, nan, out);
+    vu tiny = (vu)((vf)mag * 0x1p24f + 0x1p23f) - 0x4B000000u;
+    vu nan = 0x7E00u | ((mag >> 13) & 0x1FFu);
+    vu out = selectu((vi)mag < 0x38800000, tiny, normal);
+    out = selectu((vi)mag > 0x7F800000, nan, out);
     return out | sign;
 }
 
-/* Store eight fp32 values as `dtype`. */
-ELP_INLINE void store8(void *p, v8f f, const int dtype) {
+/* Store FW fp32 values as `dtype`. */
+ELP_INLINE void storef(void *p, vf f, const int dtype) {
     if (dtype == ELP_F32) {
         memcpy(p, &f, sizeof f);
         return;
     }
-    store_u16x8(p, dtype == ELP_BF16 ? float_to_bf16(f) : float_to_half(f));
+    store_u16(p, dtype == ELP_BF16 ? float_to_bf16(f) : float_to_half(f));
 }
 
 /* ------------------------------------------------------------------ rows */
@@ -377,9 +522,10 @@ ELP_INLINE void store8(void *p, v8f f, const int dtype) {
 ELP_INLINE int64_t elem_size(const int dtype) { return dtype == ELP_F32 ? 4 : 2; }
 ELP_INLINE int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
-ELP_INLINE v8i lanes_below(int64_t count) {
-    v8i idx = {0, 1, 2, 3, 4, 5, 6, 7};
-    int32_t c = count < 0 ? 0 : count > 8 ? 8 : (int32_t)count;
+ELP_INLINE vi lanes_below(int64_t count) {
+    vi idx;
+    for (int i = 0; i < FW; ++i) idx[i] = i;
+    int32_t c = count < 0 ? 0 : count > FW ? FW : (int32_t)count;
     return idx < c;
 }
 
@@ -395,8 +541,9 @@ typedef struct {
 
 ELP_INLINE row_view row_of(const elp_shard *s, int64_t r, const int dtype) {
     row_view v;
-    v.x = (const char *)s->x + r * s->row_stride * elem_size(dtype);
-    v.keep = s->keep ? s->keep + r * s->keep_stride : NULL;
+    int64_t outer = r / s->rows_inner, inner = r % s->rows_inner;
+    v.x = (const char *)s->x + (outer * s->outer_stride + inner * s->row_stride) * elem_size(dtype);
+    v.keep = s->keep ? s->keep + outer * s->keep_outer_stride + inner * s->keep_stride : NULL;
     v.n_cols = s->n_cols;
     v.n_real = s->n_real;
     v.divide = s->tau_rows != NULL || s->tau != 1.0;
@@ -405,10 +552,19 @@ ELP_INLINE row_view row_of(const elp_shard *s, int64_t r, const int dtype) {
     return v;
 }
 
+/* contract.owned_target_columns: the target's local column where this shard holds it as
+   a real column of a row that is not ignored, else -1. (Unsigned: a target below
+   vocab_start wraps past n_real, as torch's int64 subtraction wraps past n_cols.) */
+ELP_INLINE int64_t owned_column(const elp_shard *s, int64_t r) {
+    int64_t t = s->target[r];
+    uint64_t local = (uint64_t)t - (uint64_t)s->vocab_start;
+    return t != s->ignore_index && local < (uint64_t)s->n_real ? (int64_t)local : -1;
+}
+
 /* y and validity (real and kept) of columns [j, j + LANES) of columns [0, end); a short
    last step goes through a zeroed buffer and its missing lanes are invalid. */
 ELP_INLINE void load_step(const row_view *v, int64_t j, int64_t end, const int dtype,
-                          v8f y[V8], v8i valid[V8]) {
+                          vf y[V8], vi valid[V8]) {
     int64_t count = min64(LANES, end - j), es = elem_size(dtype);
     const char *px = v->x + j * es;
     const uint8_t *pk = v->keep ? v->keep + j : NULL;
@@ -426,32 +582,31 @@ ELP_INLINE void load_step(const row_view *v, int64_t j, int64_t end, const int d
     }
     int64_t real = min64(count, v->n_real - j);
     for (int q = 0; q < V8; ++q) {
-        v8i ok = lanes_below(real - 8 * q);
-        valid[q] = pk ? ok & load_keep8(pk + 8 * q) : ok;
-        v8f x = load8(px + 8 * q * es, dtype);
-        y[q] = v->divide ? x / splat8(v->tau32) : x; /* stage 1: fp32 division */
+        vi ok = lanes_below(real - FW * q);
+        valid[q] = pk ? ok & load_keep(pk + FW * q) : ok;
+        vf x = loadf(px + FW * q * es, dtype);
+        y[q] = v->divide ? x / splatf(v->tau32) : x; /* stage 1: fp32 division */
     }
 }
 
 /* --- 2. row max over the real, kept columns; NaN and +inf do not take part --- */
 
-ELP_INLINE float row_max_row(const elp_shard *s, int64_t r, const int dtype) {
-    row_view v = row_of(s, r, dtype);
-    v8f best[V8];
-    for (int q = 0; q < V8; ++q) best[q] = splat8(-__builtin_inff());
-    for (int64_t j = 0; j < v.n_real; j += LANES) {
-        v8f y[V8];
-        v8i valid[V8];
-        load_step(&v, j, v.n_real, dtype, y, valid);
+ELP_INLINE float view_max(const row_view *v, const int dtype) {
+    vf best[V8];
+    for (int q = 0; q < V8; ++q) best[q] = splatf(-__builtin_inff());
+    for (int64_t j = 0; j < v->n_real; j += LANES) {
+        vf y[V8];
+        vi valid[V8];
+        load_step(v, j, v->n_real, dtype, y, valid);
         for (int q = 0; q < V8; ++q) {
-            v8f cand = select8(valid[q] & (y[q] < __builtin_inff()), y[q],
-                               splat8(-__builtin_inff()));
-            best[q] = select8(cand > best[q], cand, best[q]);
+            vf cand = selectf(valid[q] & (y[q] < __builtin_inff()), y[q],
+                              splatf(-__builtin_inff()));
+            best[q] = selectf(cand > best[q], cand, best[q]);
         }
     }
     float out = -__builtin_inff();
     for (int q = 0; q < V8; ++q)
-        for (int i = 0; i < 8; ++i) out = best[q][i] > out ? best[q][i] : out;
+        for (int i = 0; i < FW; ++i) out = best[q][i] > out ? best[q][i] : out;
     return out;
 }
 
@@ -468,8 +623,8 @@ ELP_INLINE void write_record(int64_t *out, const row_view *v, const uint64_t tot
     out[ELP_COL_W_LO] = (int64_t)total[3];
     out[ELP_COL_NONFINITE] = nonfinite;
     if (t >= 0) { /* the owner sends y_t's bits; every shard sends the counts */
-        v8f y[V8];
-        v8i valid[V8];
+        vf y[V8];
+        vi valid[V8];
         load_step(v, t, t + 1, dtype, y, valid);
         int32_t bits;
         memcpy(&bits, &y[0][0], sizeof bits);
@@ -479,17 +634,17 @@ ELP_INLINE void write_record(int64_t *out, const row_view *v, const uint64_t tot
     }
 }
 
-ELP_INLINE void partials_row(const elp_shard *s, const float *row_max, const int64_t *target_col,
-                             int64_t *record, int64_t r, const int dtype, const int entropy) {
-    row_view v = row_of(s, r, dtype);
-    v4d m = splat4((double)row_max[r]);
+/* The limb sums and non-finite count of a row, column by column. */
+ELP_INLINE void direct_sums(const row_view *v, float row_max, uint64_t total[4],
+                            int64_t *nonfinite, const int dtype, const int entropy) {
+    vd m = splatd((double)row_max);
     row_sums sums;
     memset(&sums, 0, sizeof sums);
     int64_t steps = 0;
-    for (int64_t j = 0; j < v.n_real; j += LANES) {
-        v8f y[V8];
-        v8i valid[V8];
-        load_step(&v, j, v.n_real, dtype, y, valid);
+    for (int64_t j = 0; j < v->n_real; j += LANES) {
+        vf y[V8];
+        vi valid[V8];
+        load_step(v, j, v->n_real, dtype, y, valid);
         partials_step(y, valid, m, &sums, entropy);
         if (++steps == FLUSH_STEPS) {
             flush(&sums);
@@ -497,49 +652,46 @@ ELP_INLINE void partials_row(const elp_shard *s, const float *row_max, const int
         }
     }
     flush(&sums);
-    uint64_t total[4];
     for (int i = 0; i < 4; ++i) total[i] = (uint64_t)sums.total[i];
-    int64_t nonfinite = 0;
-    for (int i = 0; i < 8; ++i) nonfinite -= sums.nonfinite[i];
-    write_record(record + r * ELP_NUM_COLS, &v, total, nonfinite, target_col[r], dtype);
+    *nonfinite = 0;
+    for (int i = 0; i < FW; ++i) *nonfinite -= sums.nonfinite[i];
 }
 
 /* --- backward --- */
 
 ELP_INLINE grad_row grad_row_of(const elp_grad_stats *st, const row_view *v, int64_t r) {
     grad_row g;
-    g.m = splat4((double)st->row_max[r]);
-    g.s_hi = splat4(st->s_hi[r]);
-    g.s_lo = splat4(st->s_lo[r]);
-    g.log_s = splat4(st->log_s[r]);
-    g.h = splat4(st->entropy64[r]);
-    g.a = splat4(st->coef_a[r]);
-    g.b = splat4(st->coef_b[r]);
-    g.c = splat4(st->coef_t[r]);
-    g.l = splat4(st->coef_l[r]);
-    g.tau = splat4(v->tau64);
+    g.m = splatd((double)st->row_max[r]);
+    g.s_hi = splatd(st->s_hi[r]);
+    g.s_lo = splatd(st->s_lo[r]);
+    g.log_s = splatd(st->log_s[r]);
+    g.h = splatd(st->entropy64[r]);
+    g.a = splatd(st->coef_a[r]);
+    g.b = splatd(st->coef_b[r]);
+    g.c = splatd(st->coef_t[r]);
+    g.l = splatd(st->coef_l[r]);
+    g.tau = splatd(v->tau64);
     g.divide = v->divide;
     return g;
 }
 
-
 /* Store the first `count` of LANES fp32 values as `dtype`. */
-ELP_INLINE void store_step(char *p, const v8f f[V8], int64_t count, const int dtype) {
+ELP_INLINE void store_step(char *p, const vf f[V8], int64_t count, const int dtype) {
     int64_t es = elem_size(dtype);
     if (count == LANES) {
-        for (int q = 0; q < V8; ++q) store8(p + 8 * q * es, f[q], dtype);
+        for (int q = 0; q < V8; ++q) storef(p + FW * q * es, f[q], dtype);
         return;
     }
     char buf[LANES * 4];
-    for (int q = 0; q < V8; ++q) store8(buf + 8 * q * es, f[q], dtype);
+    for (int q = 0; q < V8; ++q) storef(buf + FW * q * es, f[q], dtype);
     memcpy(p, buf, count * es);
 }
 
 /* The target column t (owned here) overwritten with its own formula. */
 ELP_INLINE void grad_target(const row_view *v, const grad_row *g, int64_t t, char *out,
                             const int dtype, const int entropy) {
-    v8f y[V8], f[V8];
-    v8i valid[V8];
+    vf y[V8], f[V8];
+    vi valid[V8];
     load_step(v, t, t + 1, dtype, y, valid);
     target_step(y, valid, g, entropy, f);
     store_step(out + t * elem_size(dtype), f, 1, dtype);
@@ -548,24 +700,26 @@ ELP_INLINE void grad_target(const row_view *v, const grad_row *g, int64_t t, cha
 /* A row flagged NaN gets NaN in every column, cast like any other value. */
 ELP_INLINE void nan_row(char *out, int64_t n, const int dtype) {
     int64_t es = elem_size(dtype);
-    v8f nan[V8];
-    for (int q = 0; q < V8; ++q) nan[q] = narrow(splat4(__builtin_nan("")), splat4(__builtin_nan("")));
+    vf nan[V8];
+    for (int q = 0; q < V8; ++q)
+        nan[q] = narrow(splatd(__builtin_nan("")), splatd(__builtin_nan("")));
     for (int64_t j = 0; j < n; j += LANES) store_step(out + j * es, nan, min64(LANES, n - j), dtype);
 }
 
-ELP_INLINE void grad_row_fn(const elp_shard *s, const elp_grad_stats *st, char *out, int64_t r,
-                            const int dtype, const int entropy) {
+ELP_INLINE void grad_row_direct(const elp_shard *s, const elp_grad_stats *st, char *out,
+                                int64_t r, const int dtype, const int entropy) {
     int64_t es = elem_size(dtype), n = s->n_cols;
     row_view v = row_of(s, r, dtype);
     grad_row g = grad_row_of(st, &v, r);
     for (int64_t j = 0; j < n; j += LANES) { /* padding columns too: they get 0 / tau */
-        v8f y[V8], f[V8];
-        v8i valid[V8];
+        vf y[V8], f[V8];
+        vi valid[V8];
         load_step(&v, j, n, dtype, y, valid);
         grad_step(y, valid, &g, entropy, f);
         store_step(out + j * es, f, min64(LANES, n - j), dtype);
     }
-    if (st->target_col[r] >= 0) grad_target(&v, &g, st->target_col[r], out, dtype, entropy);
+    int64_t t = owned_column(s, r);
+    if (t >= 0) grad_target(&v, &g, t, out, dtype, entropy);
 }
 
 /* ------------------------------------------------------------------ value tables */
@@ -575,27 +729,29 @@ ELP_INLINE void grad_row_fn(const elp_shard *s, const elp_grad_stats *st, char *
    tau, the backward statistics), every per-column quantity of the contract -- term, e, w,
    the non-finite flag, the gradient -- is a function of the column's value alone. So on
    long rows the kernels evaluate the contract once per distinct value:
-     partials: count each value's columns; the limb sums over columns equal the sums over
-       values of count * limb, the same integers (integer addition is exact in any order);
+     partials: count each value's columns and list the values that occur; the limb sums
+       over columns equal the sums over values of count * limb, the same integers (integer
+       addition is exact in any order, and uint64 products wrap like the int64 sums);
+       when M is not given yet (no TP group), it is the largest of the listed values;
      grad: each column gets its value's gradient from a table filled on first sight; the
        target column, whose formula differs, is computed on its own afterwards.
+   An fp32 row whose values are all exactly bf16 (the low 16 bits of every real column are
+   zero, as after `bf16_logits.float()`) is counted by its high halves and takes the bf16
+   tables: each value's fp32 bits, and so its y, are the same.
    The element functions are the ones of the direct loops, so the bits are too. */
 enum { N_VALUES = 1 << 16, FIX_CAP = 4096 };
 
-/* Per-thread scratch. `slot` is all-zero between rows: partials keeps counts in it, grad
-   its table (FILLED | gradient bits, or PENDING while a value waits for its batch). */
+/* Per-thread scratch, kept by the thread pool. `slot` is all-zero between rows: partials
+   keeps counts in it, grad its table (FILLED | gradient bits, or PENDING while a value
+   waits for its batch). */
 typedef struct {
-    uint32_t slot[N_VALUES];
-    uint16_t done[N_VALUES]; /* grad: the values whose slots this row set */
+    uint32_t slot[N_VALUES + LANES]; /* the tail stays zero: a last batch reads past n */
+    uint16_t done[N_VALUES];         /* partials: the row's distinct values; grad: the
+                                        values whose slots this row set */
     int64_t fix[FIX_CAP];    /* grad: columns stored before their value was computed */
 } value_scratch;
 
 enum { FILLED = 1u << 16, PENDING = 1u << 17 };
-
-ELP_INLINE int wants_tables(const elp_shard *s) { /* counts are uint32 */
-    return s->dtype != ELP_F32 && s->table_min_cols >= 0 && s->n_real >= s->table_min_cols &&
-           s->n_real < ((int64_t)1 << 32);
-}
 
 /* The row view of `n` <= LANES distinct values: no keep mask, every value real. */
 ELP_INLINE row_view values_view(const row_view *v, const uint16_t *vals, int64_t n) {
@@ -606,79 +762,202 @@ ELP_INLINE row_view values_view(const row_view *v, const uint16_t *vals, int64_t
     return w;
 }
 
-/* Add count[i] times value i's limbs and non-finite flag to the row's sums. */
-ELP_INLINE void partials_values(const row_view *v, const uint16_t vals[LANES],
-                                const uint32_t cnt[LANES], int64_t n, v4d m, uint64_t total[4],
-                                int64_t *nonfinite, const int dtype, const int entropy) {
+/* ++count[key] for the kept columns j < n, key = keys[j * stride]. */
+ELP_INLINE void count_keys(const uint16_t *keys, const int stride, const uint8_t *keep,
+                           int64_t n, uint32_t *count) {
+    if (keep) {
+        for (int64_t j = 0; j < n; ++j) count[keys[j * stride]] += keep[j] != 0;
+        return;
+    }
+    int64_t j = 0;
+    for (; j + 4 <= n; j += 4) {
+        ++count[keys[j * stride]];
+        ++count[keys[(j + 1) * stride]];
+        ++count[keys[(j + 2) * stride]];
+        ++count[keys[(j + 3) * stride]];
+    }
+    for (; j < n; ++j) ++count[keys[j * stride]];
+}
+
+/* Compact the counts: afterwards count[0, n) holds the non-zero counts in value order,
+   vals[0, n) their values, and every other slot is zero again; returns n. Each count moves
+   down (n <= its value), so a slot is read before anything is written over it. */
+#if defined(__AVX512F__)
+static int64_t list_values(uint32_t *count, uint16_t *vals) {
+    int64_t n = 0;
+    __m512i idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    for (int64_t b = 0; b < N_VALUES; b += 16, idx = _mm512_add_epi32(idx, _mm512_set1_epi32(16))) {
+        __m512i c = _mm512_loadu_si512(count + b);
+        __mmask16 m = _mm512_test_epi32_mask(c, c);
+        if (!m) continue;
+        _mm512_storeu_si512(count + b, _mm512_setzero_si512());
+        /* n + 16 <= b + 16 <= N_VALUES; the lanes past the non-zero ones store zeros */
+        _mm512_storeu_si512(count + n, _mm512_maskz_compress_epi32(m, c));
+        _mm256_storeu_si256((__m256i *)(vals + n),
+                            _mm512_cvtepi32_epi16(_mm512_maskz_compress_epi32(m, idx)));
+        n += __builtin_popcount(m);
+    }
+    return n;
+}
+#elif defined(__AVX2__)
+static int64_t list_values(uint32_t *count, uint16_t *vals) {
+    int64_t n = 0;
+    for (int64_t b = 0; b < N_VALUES; b += 8) {
+        __m256i c = _mm256_loadu_si256((const __m256i *)(count + b));
+        __m256i zero = _mm256_setzero_si256();
+        unsigned m = 0xFFu ^ (unsigned)_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpeq_epi32(c, zero)));
+        if (!m) continue;
+        uint32_t cs[8];
+        _mm256_storeu_si256((__m256i *)cs, c);
+        _mm256_storeu_si256((__m256i *)(count + b), zero);
+        for (; m; m &= m - 1) {
+            int k = __builtin_ctz(m);
+            count[n] = cs[k];
+            vals[n++] = (uint16_t)(b + k);
+        }
+    }
+    return n;
+}
+#else
+static int64_t list_values(uint32_t *count, uint16_t *vals) {
+    int64_t n = 0;
+    for (int64_t i = 0; i < N_VALUES; ++i) {
+        uint32_t c = count[i];
+        count[i] = 0;
+        count[n] = c; /* n <= i; a zero written here is overwritten by the next count */
+        vals[n] = (uint16_t)i;
+        n += c != 0;
+    }
+    return n;
+}
+#endif
+
+typedef struct {
+    vul e_hi, e_lo, w_hi, w_lo; /* wrap mod 2^64, as the int64 sums */
+    vu nonfinite;               /* at most n_real < 2^32 */
+} value_sums;
+
+/* An integer-valued double 0 <= v < 2^52 as an integer: the low bits of v + 2^52 (exact). */
+ELP_INLINE vul as_u64(vd v) { return (vul)(v + 0x1p52) - (vul)splatd(0x1p52); }
+
+ELP_INLINE void add_counted(const vul c[V4], const vd hi[V4], const vd lo[V4], vul *sum_hi,
+                            vul *sum_lo) {
+    for (int i = 0; i < V4; ++i) {
+        *sum_hi += c[i] * as_u64(hi[i]);
+        *sum_lo += c[i] * as_u64(lo[i]);
+    }
+}
+
+/* Add count x (limbs, non-finite flag) of the n <= LANES values vals[0, n) to the sums;
+   counts[0, LANES) are theirs (0 past n). */
+ELP_INLINE void sum_values(const row_view *v, const uint16_t *vals, int64_t n,
+                           const uint32_t *counts, vd m, value_sums *t, const int dtype,
+                           const int entropy) {
+    vu c32[V8];
+    vul c[V4];
+    for (int q = 0; q < V8; ++q) {
+        memcpy(&c32[q], counts + q * FW, sizeof c32[q]);
+        c[2 * q] = (vul)widen_u32_lo(c32[q]);
+        c[2 * q + 1] = (vul)widen_u32_hi(c32[q]);
+    }
     row_view w = values_view(v, vals, n);
-    v8f y8[V8];
-    v8i valid8[V8];
+    vf y8[V8];
+    vi valid8[V8];
     load_step(&w, 0, n, dtype, y8, valid8);
-    v4d dz[V4], e[V4], eq[2][V4], wq[2][V4];
+    vd dz[V4], e[V4], hi[V4], lo[V4];
     term_exps(y8, valid8, m, e, dz);
-    quantize(e, eq[0], eq[1]);
+    quantize(e, hi, lo);
+    add_counted(c, hi, lo, &t->e_hi, &t->e_lo);
     if (entropy) {
-        v4d wv[V4];
+        vd wv[V4];
         for (int i = 0; i < V4; ++i) wv[i] = e[i] * (-dz[i]);
-        quantize(wv, wq[0], wq[1]);
+        quantize(wv, hi, lo);
+        add_counted(c, hi, lo, &t->w_hi, &t->w_lo);
     }
-    for (int64_t c = 0; c < n; ++c) { /* lane c % 4 of vector c / 4 holds value c */
-        uint64_t k = cnt[c];
-        total[0] += k * (uint64_t)(int64_t)eq[0][c / 4][c % 4];
-        total[1] += k * (uint64_t)(int64_t)eq[1][c / 4][c % 4];
-        if (entropy) {
-            total[2] += k * (uint64_t)(int64_t)wq[0][c / 4][c % 4];
-            total[3] += k * (uint64_t)(int64_t)wq[1][c / 4][c % 4];
-        }
-        *nonfinite += (int64_t)k * (valid8[c / 8][c % 8] & !(y8[c / 8][c % 8] < __builtin_inff()));
-    }
+    for (int q = 0; q < V8; ++q) t->nonfinite += (vu)nonfinite_lanes(y8[q], valid8[q]) & c32[q];
 }
 
-ELP_INLINE int any_nonzero(const void *p) { /* 32 bytes */
-    uint64_t w[4];
-    memcpy(w, p, sizeof w);
-    return (w[0] | w[1] | w[2] | w[3]) != 0;
+ELP_INLINE uint64_t lanes_u64(vul v) {
+    uint64_t t = 0;
+    for (int i = 0; i < DW; ++i) t += v[i];
+    return t;
 }
 
-ELP_INLINE void partials_row_table(const elp_shard *s, const float *row_max,
-                                   const int64_t *target_col, int64_t *record, int64_t r,
-                                   const int dtype, const int entropy, value_scratch *sc) {
-    row_view v = row_of(s, r, dtype);
-    const uint16_t *x = (const uint16_t *)v.x;
+/* The 16-bit keys of a row for the value-table path, or NULL for the direct loops: the row
+   itself for 16-bit logits, the high halves of an fp32 row whose low halves are all zero
+   (then its values are read as bf16). */
+ELP_INLINE const uint16_t *table_keys(const elp_shard *s, const row_view *v,
+                                      const value_scratch *sc, const int dtype) {
+    if (!sc || s->table_min_cols < 0 || v->n_real < s->table_min_cols ||
+        v->n_real >= ((int64_t)1 << 32)) /* counts are uint32 */
+        return NULL;
+    if (dtype != ELP_F32) return (const uint16_t *)v->x;
+#if __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+    const uint32_t *x = (const uint32_t *)v->x;
+    uint32_t low = 0;
+    for (int64_t j = 0; j < v->n_real; j += 64) { /* genuine fp32 rows stop at once */
+        for (int64_t k = j; k < min64(j + 64, v->n_real); ++k) low |= x[k];
+        if (low & 0xFFFFu) return NULL;
+    }
+    return (const uint16_t *)v->x + 1;
+#else
+    return NULL;
+#endif
+}
+
+/* Stages 3-5 of a row through its value table, keys[j * stride] being column j's value
+   (decoded as vdtype); with has_max == 0, stage 2 too: *row_max becomes the largest y of
+   the values that occur. */
+ELP_INLINE void table_sums(const row_view *v, const uint16_t *keys, const int stride,
+                           const int has_max, float *row_max, value_scratch *sc,
+                           uint64_t total[4], int64_t *nonfinite, const int vdtype,
+                           const int entropy) {
     uint32_t *count = sc->slot;
-    if (v.keep)
-        for (int64_t j = 0; j < v.n_real; ++j) count[x[j]] += v.keep[j] != 0;
+    if (stride == 1)
+        count_keys(keys, 1, v->keep, v->n_real, count);
     else
-        for (int64_t j = 0; j < v.n_real; ++j) ++count[x[j]];
-
-    v4d m = splat4((double)row_max[r]);
-    uint64_t total[4] = {0, 0, 0, 0};
-    int64_t nonfinite = 0, n = 0;
-    uint16_t vals[LANES];
-    uint32_t cnt[LANES];
-    for (int64_t b = 0; b < N_VALUES; b += 8) { /* in value order, clearing as it goes */
-        if (!any_nonzero(count + b)) continue;
-        for (int64_t i = b; i < b + 8; ++i) {
-            if (!count[i]) continue;
-            vals[n] = (uint16_t)i;
-            cnt[n] = count[i];
-            count[i] = 0;
-            if (++n == LANES) {
-                partials_values(&v, vals, cnt, n, m, total, &nonfinite, dtype, entropy);
-                n = 0;
-            }
-        }
+        count_keys(keys, 2, v->keep, v->n_real, count);
+    int64_t n = list_values(count, sc->done);
+    if (!has_max) {
+        row_view w = values_view(v, sc->done, n);
+        *row_max = view_max(&w, vdtype);
     }
-    if (n) partials_values(&v, vals, cnt, n, m, total, &nonfinite, dtype, entropy);
-    write_record(record + r * ELP_NUM_COLS, &v, total, nonfinite, target_col[r], dtype);
+    vd m = splatd((double)*row_max);
+    value_sums t;
+    memset(&t, 0, sizeof t);
+    for (int64_t i = 0; i < n; i += LANES)
+        sum_values(v, sc->done + i, min64(LANES, n - i), count + i, m, &t, vdtype, entropy);
+    memset(count, 0, n * sizeof *count); /* all-zero again */
+    total[0] = lanes_u64(t.e_hi);
+    total[1] = lanes_u64(t.e_lo);
+    total[2] = lanes_u64(t.w_hi);
+    total[3] = lanes_u64(t.w_lo);
+    uint64_t nf = 0;
+    for (int i = 0; i < FW; ++i) nf += t.nonfinite[i];
+    *nonfinite = (int64_t)nf;
+}
+
+/* The limb sums of row v (with its max given, or found when has_max == 0), through the
+   value table where it applies, else column by column. */
+ELP_INLINE void row_sums_of(const elp_shard *s, const row_view *v, const int has_max,
+                            float *row_max, value_scratch *sc, uint64_t total[4],
+                            int64_t *nonfinite, const int dtype, const int entropy) {
+    const uint16_t *keys = table_keys(s, v, sc, dtype);
+    if (keys) {
+        const int vdtype = dtype == ELP_F32 ? ELP_BF16 : dtype, stride = dtype == ELP_F32 ? 2 : 1;
+        table_sums(v, keys, stride, has_max, row_max, sc, total, nonfinite, vdtype, entropy);
+        return;
+    }
+    if (!has_max) *row_max = view_max(v, dtype);
+    direct_sums(v, *row_max, total, nonfinite, dtype, entropy);
 }
 
 /* slot[vals[i]] = FILLED | the gradient bits of a non-target column holding vals[i]. */
 ELP_INLINE void grad_values(const row_view *v, const grad_row *g, const uint16_t *vals,
                             int64_t n, uint32_t *slot, const int dtype, const int entropy) {
     row_view w = values_view(v, vals, n);
-    v8f y[V8], f[V8];
-    v8i valid[V8];
+    vf y[V8], f[V8];
+    vi valid[V8];
     uint16_t bits[LANES];
     load_step(&w, 0, n, dtype, y, valid);
     grad_step(y, valid, g, entropy, f);
@@ -747,9 +1026,9 @@ ELP_INLINE void grad_row_table(const elp_shard *s, const elp_grad_stats *st, cha
     /* what padding and masked columns get: the direct loop's value of an invalid lane */
     uint16_t off;
     {
-        v8f y[V8], f[V8];
-        v8i none[V8];
-        for (int q = 0; q < V8; ++q) y[q] = splat8(0.0f), none[q] = (v8i){0};
+        vf y[V8], f[V8];
+        vi none[V8];
+        for (int q = 0; q < V8; ++q) y[q] = splatf(0.0f), none[q] = (vi){0};
         grad_step(y, none, &g, entropy, f);
         store_step((char *)&off, f, 1, dtype);
     }
@@ -763,7 +1042,121 @@ ELP_INLINE void grad_row_table(const elp_shard *s, const elp_grad_stats *st, cha
     for (int64_t j = v.n_real; j < v.n_cols; ++j) lt.o[j] = off;
     for (int64_t i = 0; i < lt.n_done; ++i) sc->slot[sc->done[i]] = 0; /* all-zero again */
 
-    if (st->target_col[r] >= 0) grad_target(&v, &g, st->target_col[r], out, dtype, entropy);
+    int64_t t = owned_column(s, r);
+    if (t >= 0) grad_target(&v, &g, t, out, dtype, entropy);
+}
+
+/* ------------------------------------------------------------------ 7. finalize */
+
+/* contract._two_sum: s = fl(a + b) and its exact rounding error. */
+static void two_sum(double a, double b, double *s, double *err) {
+    double sum = a + b, bb = sum - a;
+    *s = sum;
+    *err = (a - (sum - bb)) + (b - bb);
+}
+
+/* contract.limbs_to_double_double: hi 2^-42 + lo 2^-84 -> (fl(value), exact rest). */
+static void limbs_to_double_double(int64_t hi, int64_t lo, double *vh, double *vl) {
+    hi = (int64_t)((uint64_t)hi + (uint64_t)(lo >> ELP_FRAC_BITS)); /* carry, wrapping */
+    lo &= ((int64_t)1 << ELP_FRAC_BITS) - 1;
+    double a = (double)hi;                /* round to nearest even */
+    int64_t r = hi - (int64_t)a;          /* exact, |r| <= 2^9 */
+    int64_t t = r * ((int64_t)1 << ELP_FRAC_BITS) + lo; /* exact, |t| < 2^53 */
+    two_sum(a * ELP_LIMB_UNIT, (double)t * ELP_LIMB2_UNIT, vh, vl);
+}
+
+/* torch.frexp of a finite x: x = m 2^k, |m| in [0.5, 1) (m = x, k = 0 for 0, inf, NaN). */
+static double frexp_of(double x, int *k) {
+    uint64_t bits;
+    memcpy(&bits, &x, sizeof bits);
+    int e = (int)((bits >> 52) & 0x7FF), shift = 0;
+    *k = 0;
+    if (e == 0x7FF || x == 0.0) return x;
+    if (e == 0) { /* subnormal: scale into the normal range first (exact) */
+        x *= 0x1p54;
+        memcpy(&bits, &x, sizeof bits);
+        e = (int)((bits >> 52) & 0x7FF);
+        shift = 54;
+    }
+    *k = e - 1022 - shift;
+    bits = (bits & ~((uint64_t)0x7FF << 52)) | ((uint64_t)1022 << 52);
+    double m;
+    memcpy(&m, &bits, sizeof m);
+    return m;
+}
+
+/* contract.log_c: log(sh + sl) = k ln2 + 2 atanh(g / (2 + g)), in the same order. */
+static double log_c(double sh, double sl) {
+    int k;
+    double m = frexp_of(sh, &k);
+    if (m < ELP_SQRT_HALF) {
+        m = m * 2.0;
+        k = k - 1;
+    }
+    double kd = (double)k, g = m - 1.0; /* exact (Sterbenz) */
+    double s = g / (2.0 + g), s2 = s + s, z = s * s;
+    double poly = log_poly[0];
+    for (int i = 1; i < ELP_LOG_POLY_LEN; ++i) poly = poly * z + log_poly[i];
+    double tail = kd * ELP_LN2_LO + sl / sh;
+    return kd * ELP_LN2_HI + (s2 + (s2 * (poly * z) + tail));
+}
+
+static float finish_output(double v, int ignored, int64_t bad) {
+    if (bad != 0) {
+        const uint32_t nan_bits = 0x7FC00000u; /* fl32 of the reference's fp64 NaN */
+        float nan;
+        memcpy(&nan, &nan_bits, sizeof nan);
+        return nan;
+    }
+    return ignored ? 0.0f : (float)v;
+}
+
+/* contract.finalize of row r: the flags BAD_*, S, log S and the three outputs. */
+static void finalize_row(int64_t r, int64_t target, int64_t vocab_size, int64_t ignore_index,
+                         int bad_tau, int disagree, const elp_rows *o) {
+    const int64_t *rec = o->record + r * ELP_NUM_COLS;
+    float row_max = o->row_max[r];
+    int ignored = target == ignore_index;
+    int out_of_range = target < 0 || (vocab_size >= 0 && target >= vocab_size);
+    int64_t bad = 0;
+    if (out_of_range) bad |= ELP_BAD_TARGET_RANGE;
+    if (!out_of_range && rec[ELP_COL_OWNERS] != 1) bad |= ELP_BAD_TARGET_OWNER;
+    if (rec[ELP_COL_TARGET_MASKED] != 0) bad |= ELP_BAD_TARGET_MASKED;
+    if (rec[ELP_COL_NONFINITE] != 0) bad |= ELP_BAD_NONFINITE;
+    if (row_max == -__builtin_inff()) bad |= ELP_BAD_NO_VALID_COLUMN;
+    if (bad_tau) bad |= ELP_BAD_TEMPERATURE;
+    if (ignored) bad = 0;
+    if (disagree) bad |= ELP_BAD_RANKS; /* poisons ignored rows too */
+
+    /* bad and ignored rows get S = 1, so that log_c stays in its domain */
+    int skip = bad != 0 || ignored;
+    double sh, sl, wh, wl;
+    limbs_to_double_double(skip ? (int64_t)1 << ELP_FRAC_BITS : rec[ELP_COL_E_HI],
+                           skip ? 0 : rec[ELP_COL_E_LO], &sh, &sl);
+    double log_s = log_c(sh, sl);
+    limbs_to_double_double(rec[ELP_COL_W_HI], rec[ELP_COL_W_LO], &wh, &wl);
+
+    double m64 = (double)row_max;
+    int32_t t_bits = (int32_t)rec[ELP_COL_TARGET_BITS]; /* the low 32 bits */
+    float y_t;
+    memcpy(&y_t, &t_bits, sizeof y_t);
+    double entropy64 = log_s + wh / sh;
+    o->logprobs[r] = finish_output(((double)y_t - m64) - log_s, ignored, bad);
+    o->entropy[r] = finish_output(entropy64, ignored, bad);
+    o->lse[r] = finish_output(m64 + log_s, ignored, bad);
+    o->s_hi[r] = sh;
+    o->s_lo[r] = sl;
+    o->log_s[r] = log_s;
+    o->entropy64[r] = entropy64;
+    o->bad[r] = bad;
+    o->ignored[r] = (uint8_t)ignored;
+}
+
+/* A per-row temperature that contract.finalize flags: not finite, or not > 0. */
+ELP_INLINE int bad_temperature(const elp_shard *s, int64_t r) {
+    if (!s->tau_rows) return 0; /* a scalar was checked when the call began */
+    float tau = s->tau_rows[r];
+    return !(__builtin_isfinite(tau) && tau > 0.0f);
 }
 
 /* ------------------------------------------------------------------ variants */
@@ -772,42 +1165,65 @@ ELP_INLINE void grad_row_table(const elp_shard *s, const elp_grad_stats *st, cha
    carries no run-time switch on them; `variant` packs them as dtype * 2 + entropy. */
 #define ELP_VARIANTS(X) X(0) X(1) X(2) X(3) X(4) X(5)
 
-typedef struct {
+typedef struct elp_job elp_job;
+typedef void (*rows_fn)(const elp_job *job, int64_t r0, int64_t r1, value_scratch *scratch);
+
+struct elp_job {
     const elp_shard *s;
-    const float *row_max;
-    const int64_t *target_col;
+    const float *row_max; /* partials: the global max */
     const elp_grad_stats *stats;
-    void *out;
+    const elp_rows *rows; /* forward: the per-row results */
+    void *out;            /* row max pass: float[n_rows]; partials: the record; grad */
     int variant;
-    int wants_scratch; /* each thread gets a value_scratch (NULL if it cannot): the rows
-                          take the value-table path */
-} elp_job;
+    int wants_scratch; /* each thread gets its value_scratch (NULL if it cannot): the rows
+                          may take the value-table path */
+    rows_fn fn;
+    int64_t grab, next; /* rows handed out `grab` at a time; next taken atomically */
+};
 
-ELP_INLINE void row_max_with(const elp_job *job, int64_t r, void *scratch, const int dtype,
-                             const int entropy) {
+ELP_INLINE void row_max_with(const elp_job *job, int64_t r, value_scratch *scratch,
+                             const int dtype, const int entropy) {
     (void)scratch, (void)entropy; /* not a variant of this pass */
-    ((float *)job->out)[r] = row_max_row(job->s, r, dtype);
+    row_view v = row_of(job->s, r, dtype);
+    ((float *)job->out)[r] = view_max(&v, dtype);
 }
 
-ELP_INLINE void partials_with(const elp_job *job, int64_t r, void *scratch, const int dtype,
-                              const int entropy) {
-    if (dtype != ELP_F32 && scratch)
-        partials_row_table(job->s, job->row_max, job->target_col, job->out, r, dtype, entropy,
-                           scratch);
-    else
-        partials_row(job->s, job->row_max, job->target_col, job->out, r, dtype, entropy);
+ELP_INLINE void partials_with(const elp_job *job, int64_t r, value_scratch *scratch,
+                              const int dtype, const int entropy) {
+    const elp_shard *s = job->s;
+    row_view v = row_of(s, r, dtype);
+    float m = job->row_max[r];
+    uint64_t total[4];
+    int64_t nonfinite;
+    row_sums_of(s, &v, 1, &m, scratch, total, &nonfinite, dtype, entropy);
+    write_record((int64_t *)job->out + r * ELP_NUM_COLS, &v, total, nonfinite,
+                 owned_column(s, r), dtype);
 }
 
-ELP_INLINE void grad_with(const elp_job *job, int64_t r, void *scratch, const int dtype,
-                          const int entropy) {
+/* Stages 2-7 of row r of a shard that is the whole vocabulary. */
+ELP_INLINE void forward_with(const elp_job *job, int64_t r, value_scratch *scratch,
+                             const int dtype, const int entropy) {
+    const elp_shard *s = job->s;
+    const elp_rows *o = job->rows;
+    row_view v = row_of(s, r, dtype);
+    uint64_t total[4];
+    int64_t nonfinite;
+    row_sums_of(s, &v, 0, &o->row_max[r], scratch, total, &nonfinite, dtype, entropy);
+    write_record(o->record + r * ELP_NUM_COLS, &v, total, nonfinite, owned_column(s, r), dtype);
+    finalize_row(r, s->target[r], s->vocab_size, s->ignore_index, bad_temperature(s, r), 0, o);
+}
+
+ELP_INLINE void grad_with(const elp_job *job, int64_t r, value_scratch *scratch,
+                          const int dtype, const int entropy) {
     const elp_shard *s = job->s;
     char *out = (char *)job->out + r * s->n_cols * elem_size(dtype);
     if (job->stats->row_nan[r])
         nan_row(out, s->n_cols, dtype);
-    else if (dtype != ELP_F32 && scratch)
+    else if (dtype != ELP_F32 && scratch && s->table_min_cols >= 0 &&
+             s->n_real >= s->table_min_cols && s->n_real < ((int64_t)1 << 32))
         grad_row_table(s, job->stats, out, r, dtype, entropy, scratch);
     else
-        grad_row_fn(s, job->stats, out, r, dtype, entropy);
+        grad_row_direct(s, job->stats, out, r, dtype, entropy);
 }
 
 #define ELP_CASE(fn, v)                                                              \
@@ -816,60 +1232,183 @@ ELP_INLINE void grad_with(const elp_job *job, int64_t r, void *scratch, const in
         break;
 #define ELP_CASE_row_max(v) ELP_CASE(row_max_with, v)
 #define ELP_CASE_partials(v) ELP_CASE(partials_with, v)
+#define ELP_CASE_forward(v) ELP_CASE(forward_with, v)
 #define ELP_CASE_grad(v) ELP_CASE(grad_with, v)
-#define ELP_ROWS(pass, variants)                                                          \
-    static void pass##_rows(const elp_job *job, int64_t r0, int64_t r1, void *scratch) { \
-        switch (job->variant) { variants(ELP_CASE_##pass) }                              \
+#define ELP_ROWS(pass, variants)                                                             \
+    static void pass##_rows(const elp_job *job, int64_t r0, int64_t r1,                     \
+                            value_scratch *scratch) {                                       \
+        switch (job->variant) { variants(ELP_CASE_##pass) }                                 \
     }
 
 #define ELP_NO_ENTROPY(X) X(0) X(2) X(4)
 ELP_ROWS(row_max, ELP_NO_ENTROPY)
 ELP_ROWS(partials, ELP_VARIANTS)
+ELP_ROWS(forward, ELP_VARIANTS)
 ELP_ROWS(grad, ELP_VARIANTS)
 
 /* ------------------------------------------------------------------ threads */
 
-typedef void (*rows_fn)(const elp_job *job, int64_t r0, int64_t r1, void *scratch);
+/* A pool of helper threads, started on first use and kept, each with its value_scratch
+   (kept too, so that no call pays for mapping and faulting in fresh scratch), so that a
+   small call does not pay for starting threads either. One call at a time uses the pool;
+   a call from another thread meanwhile runs on its own thread alone (the same bits). */
+enum { MAX_THREADS = 256 };
 
-typedef struct {
-    rows_fn fn;
-    const elp_job *job;
-    int64_t n_rows, grab;
-    int64_t next; /* next row to hand out, taken atomically */
-} elp_work;
+typedef void (*region_fn)(elp_job *job, value_scratch **scratch);
 
-static void *worker(void *arg) {
-    elp_work *w = arg;
-    /* zeroed once; every row leaves it zeroed again. Without it the rows take the direct
-       loops, which give the same bits. */
-    void *scratch = w->job->wants_scratch ? calloc(1, sizeof(value_scratch)) : NULL;
-    for (;;) {
-        int64_t r0 = __atomic_fetch_add(&w->next, w->grab, __ATOMIC_RELAXED);
-        if (r0 >= w->n_rows) break;
-        w->fn(w->job, r0, min64(r0 + w->grab, w->n_rows), scratch);
+static struct {
+    pthread_mutex_t busy; /* held by the call that uses the pool */
+    pthread_mutex_t lock; /* guards the fields below */
+    pthread_cond_t start, finish;
+    int helpers;          /* helper threads running: ids 1 .. helpers */
+    int active;           /* this region's helpers: ids 1 .. active */
+    int pending;          /* active helpers still in the region */
+    uint64_t generation;  /* one per region */
+    region_fn fn;
+    elp_job *job;
+    uint64_t born[MAX_THREADS]; /* the generation when each helper was started */
+    value_scratch *scratch[MAX_THREADS];
+} pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER,
+          PTHREAD_COND_INITIALIZER};
+
+static uint64_t now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (uint64_t)t.tv_sec * 1000000000u + (uint64_t)t.tv_nsec;
+}
+
+/* A spinning thread yields its core at once when another thread is waiting for it (a
+   machine with more busy threads than cores would otherwise lose whole time slices). */
+ELP_INLINE void cpu_relax(void) { sched_yield(); }
+
+/* Pool threads spin up to SPIN_NS before they sleep on a condition variable: a call that
+   comes right after another (the next decode step, the next pass) then starts without a
+   sleep and wake-up, which costs tens of microseconds on a VM. */
+enum { SPIN_NS = 100000 };
+
+static void spin_while_generation_is(uint64_t seen) {
+    uint64_t start = now_ns();
+    while (__atomic_load_n(&pool.generation, __ATOMIC_ACQUIRE) == seen) {
+        cpu_relax();
+        if (now_ns() - start > SPIN_NS) return;
     }
-    free(scratch);
+}
+
+static void spin_while_pending(void) {
+    uint64_t start = now_ns();
+    while (__atomic_load_n(&pool.pending, __ATOMIC_ACQUIRE) > 0) {
+        cpu_relax();
+        if (now_ns() - start > SPIN_NS) return;
+    }
+}
+
+static void *helper(void *arg) {
+    int id = (int)(intptr_t)arg;
+    pthread_mutex_lock(&pool.lock);
+    uint64_t seen = pool.born[id]; /* a region may have begun before this thread ran */
+    for (;;) {
+        if (pool.generation == seen) {
+            pthread_mutex_unlock(&pool.lock);
+            spin_while_generation_is(seen);
+            pthread_mutex_lock(&pool.lock);
+        }
+        while (pool.generation == seen) pthread_cond_wait(&pool.start, &pool.lock);
+        seen = pool.generation;
+        if (id > pool.active) continue;
+        region_fn fn = pool.fn;
+        elp_job *job = pool.job;
+        pthread_mutex_unlock(&pool.lock);
+        fn(job, &pool.scratch[id]);
+        pthread_mutex_lock(&pool.lock);
+        if (__atomic_sub_fetch(&pool.pending, 1, __ATOMIC_RELEASE) == 0)
+            pthread_cond_signal(&pool.finish);
+    }
     return NULL;
 }
 
-enum { MAX_THREADS = 256, ROW_GRAB_ELEMENTS = 1 << 14 };
+/* In a child after fork() the helpers do not exist: start afresh (their scratch stays). */
+static void pool_after_fork(void) {
+    pthread_mutex_init(&pool.busy, NULL);
+    pthread_mutex_init(&pool.lock, NULL);
+    pthread_cond_init(&pool.start, NULL);
+    pthread_cond_init(&pool.finish, NULL);
+    pool.helpers = pool.active = pool.pending = 0;
+}
+
+static pthread_once_t pool_once = PTHREAD_ONCE_INIT;
+static void pool_init(void) { pthread_atfork(NULL, NULL, pool_after_fork); }
+
+/* Run fn on `workers` threads (the caller is one of them); each gets its own scratch slot.
+   Called with pool.busy held. */
+static void pool_run(region_fn fn, elp_job *job, int workers) {
+    pthread_mutex_lock(&pool.lock);
+    while (pool.helpers < workers - 1) {
+        pthread_t tid;
+        pthread_attr_t attr;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        pool.born[pool.helpers + 1] = pool.generation;
+        int ok = pthread_create(&tid, &attr, helper, (void *)(intptr_t)(pool.helpers + 1)) == 0;
+        pthread_attr_destroy(&attr);
+        if (!ok) break; /* fewer threads: the same bits */
+        ++pool.helpers;
+    }
+    int active = min64(workers - 1, pool.helpers);
+    if (active > 0) {
+        pool.fn = fn, pool.job = job, pool.active = pool.pending = active;
+        __atomic_store_n(&pool.generation, pool.generation + 1, __ATOMIC_RELEASE);
+        pthread_cond_broadcast(&pool.start);
+    }
+    pthread_mutex_unlock(&pool.lock);
+    fn(job, &pool.scratch[0]);
+    if (active > 0) {
+        spin_while_pending();
+        pthread_mutex_lock(&pool.lock);
+        while (pool.pending > 0) pthread_cond_wait(&pool.finish, &pool.lock);
+        pthread_mutex_unlock(&pool.lock);
+    }
+}
+
+/* A thread's part of a pass: rows, a few at a time, until none are left. */
+static void take_rows(elp_job *job, value_scratch **scratch) {
+    value_scratch *sc = NULL;
+    if (job->wants_scratch) {
+        /* zeroed once, and every row leaves it zeroed again; without it (no memory) the
+           rows take the direct loops, which give the same bits */
+        if (!*scratch) *scratch = calloc(1, sizeof(value_scratch));
+        sc = *scratch;
+    }
+    int64_t n = job->s->n_rows;
+    for (;;) {
+        int64_t r0 = __atomic_fetch_add(&job->next, job->grab, __ATOMIC_RELAXED);
+        if (r0 >= n) break;
+        job->fn(job, r0, min64(r0 + job->grab, n), sc);
+    }
+}
+
+enum { ROW_GRAB_ELEMENTS = 1 << 14 };
 
 /* Rows are handed out a few at a time to whichever thread is free; each row is computed
    whole by one thread, so the bits never depend on the thread count. */
-static void run_rows(rows_fn fn, const elp_job *job) {
+static void run_rows(rows_fn fn, elp_job *job) {
     const elp_shard *s = job->s;
     if (s->n_rows == 0) return;
     int64_t threads = s->num_threads < 1 ? 1 : s->num_threads;
     threads = min64(min64(threads, MAX_THREADS), s->n_rows);
     int64_t grab = ROW_GRAB_ELEMENTS / (s->n_cols > 0 ? s->n_cols : 1);
     grab = min64(grab < 1 ? 1 : grab, (s->n_rows + 4 * threads - 1) / (4 * threads));
-    elp_work w = {fn, job, s->n_rows, grab < 1 ? 1 : grab, 0};
-    pthread_t tid[MAX_THREADS];
-    int started = 0;
-    for (int64_t i = 1; i < threads; ++i)
-        if (pthread_create(&tid[started], NULL, worker, &w) == 0) ++started;
-    worker(&w); /* the caller works too; a thread that failed to start is not needed */
-    for (int i = 0; i < started; ++i) pthread_join(tid[i], NULL);
+    job->fn = fn;
+    job->grab = grab < 1 ? 1 : grab;
+    job->next = 0;
+    pthread_once(&pool_once, pool_init);
+    if (pthread_mutex_trylock(&pool.busy) == 0) {
+        pool_run(take_rows, job, (int)threads);
+        pthread_mutex_unlock(&pool.busy);
+        return;
+    }
+    value_scratch *own = NULL; /* the pool is another call's: this one runs alone */
+    take_rows(job, &own);
+    free(own);
 }
 
 /* ------------------------------------------------------------------ exported */
@@ -878,24 +1417,48 @@ static int variant_of(const elp_shard *s, int entropy) { return s->dtype * 2 + (
 
 static int bad_shard(const elp_shard *s) {
     return s->dtype < ELP_F32 || s->dtype > ELP_F16 || s->n_rows < 0 || s->n_cols < 0 ||
-           s->n_real < 0 || s->n_real > s->n_cols;
+           s->n_real < 0 || s->n_real > s->n_cols || s->rows_inner < 1;
+}
+
+static int wants_tables(const elp_shard *s) {
+    return s->table_min_cols >= 0 && s->n_real >= s->table_min_cols;
 }
 
 /* out[n_rows] fp32. Returns 0, or -1 for an invalid shard description. */
 int elp_row_max(const elp_shard *s, float *out) {
     if (bad_shard(s)) return -1;
-    elp_job job = {s, NULL, NULL, NULL, out, variant_of(s, 0), 0};
+    elp_job job = {.s = s, .out = out, .variant = variant_of(s, 0)};
     run_rows(row_max_rows, &job);
     return 0;
 }
 
-/* record[n_rows, ELP_NUM_COLS] int64, every entry written. */
-int elp_partials(const elp_shard *s, const float *row_max, const int64_t *target_col,
-                 int32_t with_entropy, int64_t *record) {
-    if (bad_shard(s)) return -1;
-    elp_job job = {s, row_max, target_col, NULL, record, variant_of(s, with_entropy),
-                   wants_tables(s)};
+/* record[n_rows, ELP_NUM_COLS] int64, every entry written; row_max is the global max. */
+int elp_partials(const elp_shard *s, const float *row_max, int32_t with_entropy,
+                 int64_t *record) {
+    if (bad_shard(s) || (s->n_rows > 0 && !s->target)) return -1;
+    elp_job job = {.s = s, .row_max = row_max, .out = record,
+                   .variant = variant_of(s, with_entropy), .wants_scratch = wants_tables(s)};
     run_rows(partials_rows, &job);
+    return 0;
+}
+
+/* Stages 2-7 for a shard that holds the whole vocabulary: every field of `rows` written. */
+int elp_forward(const elp_shard *s, int32_t with_entropy, const elp_rows *rows) {
+    if (bad_shard(s) || (s->n_rows > 0 && !s->target)) return -1;
+    elp_job job = {.s = s, .rows = rows, .variant = variant_of(s, with_entropy),
+                   .wants_scratch = wants_tables(s)};
+    run_rows(forward_rows, &job);
+    return 0;
+}
+
+/* Stage 7 on the combined record (rows->row_max and rows->record are read, the rest
+   written); bad_tau and disagree are [n_rows] flags or NULL. */
+int elp_finalize(int64_t n_rows, const int64_t *target, int64_t vocab_size, int64_t ignore_index,
+                 const uint8_t *bad_tau, const uint8_t *disagree, const elp_rows *rows) {
+    if (n_rows < 0) return -1;
+    for (int64_t r = 0; r < n_rows; ++r)
+        finalize_row(r, target[r], vocab_size, ignore_index, bad_tau && bad_tau[r],
+                     disagree && disagree[r], rows);
     return 0;
 }
 
@@ -916,16 +1479,16 @@ static void prefer_huge_pages(void *p, size_t bytes) {
 
 /* out[n_rows, n_cols] in the logits' dtype, contiguous. */
 int elp_grad(const elp_shard *s, const elp_grad_stats *stats, int32_t with_entropy, void *out) {
-    if (bad_shard(s)) return -1;
+    if (bad_shard(s) || (s->n_rows > 0 && !s->target)) return -1;
     prefer_huge_pages(out, (size_t)(s->n_rows * s->n_cols * (s->dtype == ELP_F32 ? 4 : 2)));
-    elp_job job = {s, NULL, NULL, stats, out, variant_of(s, with_entropy),
-                   wants_tables(s)};
+    elp_job job = {.s = s, .stats = stats, .out = out, .variant = variant_of(s, with_entropy),
+                   .wants_scratch = s->dtype != ELP_F32 && wants_tables(s)};
     run_rows(grad_rows, &job);
     return 0;
 }
 
 /* The contract constants as this library uses them, in the order of
-   cpu_build.compiled_constant_names(); returns how many there are. */
+   cpu_build.expected_constants(); returns how many there are. */
 int elp_constants(double *out, int capacity) {
     double v[128];
     int n = 0;
@@ -935,8 +1498,14 @@ int elp_constants(double *out, int capacity) {
     v[n++] = ELP_INV_LN2_32;
     v[n++] = ELP_LN2_32_HI;
     v[n++] = ELP_LN2_32_LO;
+    v[n++] = ELP_LIMB_UNIT;
+    v[n++] = ELP_LIMB2_UNIT;
+    v[n++] = ELP_SQRT_HALF;
+    v[n++] = ELP_LN2_HI;
+    v[n++] = ELP_LN2_LO;
     for (int i = 0; i < (1 << ELP_TABLE_BITS); ++i) v[n++] = exp2_table[i];
     for (int i = 0; i < ELP_EXP_POLY_LEN; ++i) v[n++] = exp_poly[i];
+    for (int i = 0; i < ELP_LOG_POLY_LEN; ++i) v[n++] = log_poly[i];
     v[n++] = ELP_FRAC_BITS;
     v[n++] = ELP_NUM_COLS;
     v[n++] = ELP_COL_E_HI;
@@ -947,13 +1516,22 @@ int elp_constants(double *out, int capacity) {
     v[n++] = ELP_COL_OWNERS;
     v[n++] = ELP_COL_TARGET_MASKED;
     v[n++] = ELP_COL_NONFINITE;
+    v[n++] = ELP_BAD_TARGET_RANGE;
+    v[n++] = ELP_BAD_TARGET_OWNER;
+    v[n++] = ELP_BAD_TARGET_MASKED;
+    v[n++] = ELP_BAD_NONFINITE;
+    v[n++] = ELP_BAD_NO_VALID_COLUMN;
+    v[n++] = ELP_BAD_TEMPERATURE;
+    v[n++] = ELP_BAD_RANKS;
     for (int i = 0; i < n && i < capacity; ++i) out[i] = v[i];
     return n;
 }
 
-/* 1 when this library was compiled for AVX2. */
-int elp_uses_avx2(void) {
-#if defined(__AVX2__)
+/* The instruction set this library was compiled for: 0 portable, 1 AVX2, 2 AVX-512. */
+int elp_isa(void) {
+#if defined(__AVX512F__)
+    return 2;
+#elif defined(__AVX2__)
     return 1;
 #else
     return 0;

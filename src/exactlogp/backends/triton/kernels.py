@@ -200,8 +200,17 @@ def _owned_column(target_ptr, row, vocab_start, n_real, ignore_index):
 
 
 @triton.jit
-def _row_span(x_ptr, keep_ptr, tau_ptr, stride_x, stride_keep, stride_tau, n_real,
-              cols_per_program, HAS_TAU: tl.constexpr):  # fmt: skip
+def _row_ptr(ptr, row64, rows_inner, stride_outer, stride_row):
+    """Row `row64` of rows read in two levels without a copy: row r % rows_inner of block
+    r // rows_inner ((B, T, V) views such as logits[:, :-1, :]; plain (N, V) rows have
+    rows_inner >= N, so the block is always 0)."""
+    return ptr + (row64 // rows_inner) * stride_outer + (row64 % rows_inner) * stride_row
+
+
+@triton.jit
+def _row_span(x_ptr, keep_ptr, tau_ptr, stride_x, stride_keep, stride_tau, rows_inner,
+              stride_x_outer, stride_keep_outer, n_real, cols_per_program,
+              HAS_TAU: tl.constexpr):  # fmt: skip
     """This program's row: (row, its logits, its keep mask, its temperature) and the
     columns [start, stop) it covers (program_id(1) splits a long row)."""
     row = tl.program_id(0)
@@ -209,7 +218,9 @@ def _row_span(x_ptr, keep_ptr, tau_ptr, stride_x, stride_keep, stride_tau, n_rea
     tau = tl.load(tau_ptr + row64 * stride_tau) if HAS_TAU else 1.0
     start = tl.program_id(1) * cols_per_program
     stop = tl.minimum(start + cols_per_program, n_real)
-    return row, x_ptr + row64 * stride_x, keep_ptr + row64 * stride_keep, tau, start, stop
+    x_row = _row_ptr(x_ptr, row64, rows_inner, stride_x_outer, stride_x)
+    keep_row = _row_ptr(keep_ptr, row64, rows_inner, stride_keep_outer, stride_keep)
+    return row, x_row, keep_row, tau, start, stop
 
 
 # --- 2. the max pass ---
@@ -221,9 +232,12 @@ def row_max_kernel(
     keep_ptr,  # [N, V_local] uint8 keep mask (unused unless HAS_KEEP)
     tau_ptr,  # [N] fp32 temperature, stride_tau 0 for a scalar (unused unless HAS_TAU)
     out_ptr,  # [N, num_programs(1)] fp32 partial maxima
-    stride_x,
+    stride_x,  # between rows of a block
     stride_keep,
     stride_tau,
+    rows_inner,  # rows per block (_row_ptr)
+    stride_x_outer,  # between blocks of rows
+    stride_keep_outer,
     n_real,  # local columns below the padding
     cols_per_program,  # a multiple of BLOCK_V
     IS_BF16: tl.constexpr,
@@ -232,8 +246,8 @@ def row_max_kernel(
     BLOCK_V: tl.constexpr,
 ):
     row, x_row, keep_row, tau, start, stop = _row_span(
-        x_ptr, keep_ptr, tau_ptr, stride_x, stride_keep, stride_tau, n_real, cols_per_program,
-        HAS_TAU,
+        x_ptr, keep_ptr, tau_ptr, stride_x, stride_keep, stride_tau, rows_inner, stride_x_outer,
+        stride_keep_outer, n_real, cols_per_program, HAS_TAU,
     )  # fmt: skip
     offs = tl.arange(0, BLOCK_V)
     acc = tl.full([BLOCK_V], float("-inf"), tl.float32)
@@ -259,9 +273,12 @@ def partials_kernel(
     target_ptr,  # [N] int64 global target ids
     table_ptr,  # [32] fp64 contract.EXP2_TABLE
     out_ptr,  # [N, num_programs(1), NUM_COLS] int64 partial records
-    stride_x,
+    stride_x,  # between rows of a block
     stride_keep,
     stride_tau,
+    rows_inner,  # rows per block (_row_ptr)
+    stride_x_outer,  # between blocks of rows
+    stride_keep_outer,
     n_real,  # local columns below the padding
     vocab_start,
     ignore_index,
@@ -273,8 +290,8 @@ def partials_kernel(
     BLOCK_V: tl.constexpr,
 ):
     row, x_row, keep_row, tau, start, stop = _row_span(
-        x_ptr, keep_ptr, tau_ptr, stride_x, stride_keep, stride_tau, n_real, cols_per_program,
-        HAS_TAU,
+        x_ptr, keep_ptr, tau_ptr, stride_x, stride_keep, stride_tau, rows_inner, stride_x_outer,
+        stride_keep_outer, n_real, cols_per_program, HAS_TAU,
     )  # fmt: skip
     row64, part = row.to(tl.int64), tl.program_id(1)
     m64 = tl.load(max_ptr + row).to(tl.float64)
@@ -477,22 +494,64 @@ def finalize_kernel(
 
 
 @triton.jit
-def _store_grad(out_ptr, offs, mask, g, row_nan, OUT_KIND: tl.constexpr):
-    """fp64 -> fp32 -> out dtype, each step round to nearest even, written as bits."""
+def _grad_bits(g, row_nan, OUT_KIND: tl.constexpr):
+    """fp64 -> fp32 -> out dtype, each step round to nearest even, as int32 bit patterns
+    (16-bit ones in the low half); NaN, and every column of a NaN row, as the reference's."""
     g32 = g.to(tl.float32)
     is_nan = (g32 != g32) | row_nan
     if OUT_KIND == OUT_F32:
         bits = tl.where(is_nan, NAN_F32, g32.to(tl.int32, bitcast=True))
-        tl.store(out_ptr + offs, bits, mask=mask)
     elif OUT_KIND == OUT_F16:
         h = g32.to(tl.float16).to(tl.int16, bitcast=True)
         bits = tl.where(is_nan, NAN_F16, h.to(tl.int32))
-        tl.store(out_ptr + offs, bits.to(tl.int16), mask=mask)
     else:
         u = g32.to(tl.uint32, bitcast=True)
         rounded = (u + 0x7FFF + ((u >> 16) & 1)) >> 16  # round to nearest even, exact
         bits = tl.where(is_nan, NAN_BF16, rounded.to(tl.int32))
+    return bits
+
+
+@triton.jit
+def _store_grad(out_ptr, offs, mask, g, row_nan, OUT_KIND: tl.constexpr):
+    """_grad_bits written to the output (int32 or int16 bit patterns)."""
+    bits = _grad_bits(g, row_nan, OUT_KIND)
+    if OUT_KIND == OUT_F32:
+        tl.store(out_ptr + offs, bits, mask=mask)
+    else:
         tl.store(out_ptr + offs, bits.to(tl.int16), mask=mask)
+
+
+@triton.jit
+def _grad_columns(y, valid, m64, table_ptr, s_hi, s_lo, log_s, h, ca, cb, ct, cl,
+                  WITH_ENTROPY: tl.constexpr):  # fmt: skip
+    """(g, g_t): contract.grad_block of these columns before the division by tau, as
+    columns that are not the target (+0 without a term) and as the target column; ca, cb,
+    ct, cl are the row's coefficients a, b, c, l (contract.GradStats coef_*)."""
+    dz, term = _terms(y, valid, m64)
+    e = tl.where(term, _exp_c(dz, table_ptr), 0.0)
+    p = e / s_hi  # fp64 `/` is IEEE div.rn.f64
+    if WITH_ENTROPY:
+        bq = cb * ((dz - log_s) + h)
+        g = p * (ca - bq)
+        g_t = p * (cl - bq)
+    else:
+        g = p * ca
+        g_t = p * cl
+    g = tl.where(term, g, 0.0)
+    # the target column: c * (1 - p_t) + p_t * (l - b q_t), 1 - p_t from the exact S
+    one_minus_p = ((s_hi - e) + s_lo) / s_hi
+    return g, ct * one_minus_p + g_t
+
+
+@triton.jit
+def _grad_row_stats(row, max_ptr, s_hi_ptr, s_lo_ptr, log_s_ptr, ent_ptr, coef_a_ptr,
+                    coef_b_ptr, coef_t_ptr, coef_l_ptr):  # fmt: skip
+    """The row's statistics _grad_columns takes after y and valid."""
+    return (
+        tl.load(max_ptr + row).to(tl.float64), tl.load(s_hi_ptr + row), tl.load(s_lo_ptr + row),
+        tl.load(log_s_ptr + row), tl.load(ent_ptr + row), tl.load(coef_a_ptr + row),
+        tl.load(coef_b_ptr + row), tl.load(coef_t_ptr + row), tl.load(coef_l_ptr + row),
+    )  # fmt: skip
 
 
 @triton.jit
@@ -514,9 +573,12 @@ def grad_kernel(
     coef_l_ptr,  # [N] fp64 g_lse
     row_nan_ptr,  # [N] uint8
     out_ptr,  # [N, V_local] contiguous, written as int32 / int16 bit patterns
-    stride_x,
+    stride_x,  # between rows of a block
     stride_keep,
     stride_tau,
+    rows_inner,  # rows per block (_row_ptr)
+    stride_x_outer,  # between blocks of rows
+    stride_keep_outer,
     n_cols,
     n_real,
     vocab_start,
@@ -535,25 +597,16 @@ def grad_kernel(
     real = cols < n_real
     tau = tl.load(tau_ptr + row64 * stride_tau) if HAS_TAU else 1.0
     y, valid = _scaled(
-        x_ptr + row64 * stride_x, keep_ptr + row64 * stride_keep, cols, real, tau,
+        _row_ptr(x_ptr, row64, rows_inner, stride_x_outer, stride_x),
+        _row_ptr(keep_ptr, row64, rows_inner, stride_keep_outer, stride_keep), cols, real, tau,
         IS_BF16, HAS_TAU, HAS_KEEP,
     )  # fmt: skip
-    dz, term = _terms(y, valid, tl.load(max_ptr + row).to(tl.float64))
-    e = tl.where(term, _exp_c(dz, table_ptr), 0.0)
-    s_hi = tl.load(s_hi_ptr + row)
-    p = e / s_hi  # fp64 `/` is IEEE div.rn.f64
-    coef_l = tl.load(coef_l_ptr + row)
-    if WITH_ENTROPY:
-        bq = tl.load(coef_b_ptr + row) * ((dz - tl.load(log_s_ptr + row)) + tl.load(ent_ptr + row))
-        g = p * (tl.load(coef_a_ptr + row) - bq)
-        g_t = p * (coef_l - bq)
-    else:
-        g = p * tl.load(coef_a_ptr + row)
-        g_t = p * coef_l
-    g = tl.where(term, g, 0.0)
-    # the target column: c * (1 - p_t) + p_t * (l - b q_t), 1 - p_t from the exact S
-    one_minus_p = ((s_hi - e) + tl.load(s_lo_ptr + row)) / s_hi
-    g_t = tl.load(coef_t_ptr + row) * one_minus_p + g_t
+    m64, s_hi, s_lo, log_s, h, ca, cb, ct, cl = _grad_row_stats(
+        row, max_ptr, s_hi_ptr, s_lo_ptr, log_s_ptr, ent_ptr, coef_a_ptr, coef_b_ptr,
+        coef_t_ptr, coef_l_ptr,
+    )  # fmt: skip
+    g, g_t = _grad_columns(y, valid, m64, table_ptr, s_hi, s_lo, log_s, h, ca, cb, ct, cl,
+                           WITH_ENTROPY)  # fmt: skip
     owner, t_col = _owned_column(target_ptr, row, vocab_start, n_real, ignore_index)
     g = tl.where(owner & (cols == t_col), g_t, g)
     if HAS_TAU:

@@ -21,7 +21,7 @@ import torch
 
 from ... import contract
 from ...contract import GradStats
-from ..base import Backend, ShardPlan
+from ..base import Backend, ShardPlan, bad_temperature, num_rows
 from . import kernels
 
 
@@ -77,12 +77,22 @@ def interpreted() -> bool:
 
 @dataclass(frozen=True)
 class _Prepared:
-    x: torch.Tensor  # logits with unit column stride; bf16 viewed as int16
-    keep: torch.Tensor  # uint8 keep mask, or a stand-in pointer
+    x: torch.Tensor  # logits rows (N, V) or (B, T, V), unit column stride; bf16 as int16
+    keep: torch.Tensor  # uint8 keep mask shaped like x, or a stand-in pointer
     tau: torch.Tensor  # fp32 (N,) or (1,)
     stride_tau: int
     has_tau: bool
     n_real: int  # local columns below the padding
+    rows: int  # N
+
+    def row_args(self) -> tuple[int, ...]:
+        """stride_x, stride_keep, stride_tau, rows_inner, stride_x_outer, stride_keep_outer
+        of the kernels (kernels._row_ptr): rows read in place, in one or two levels."""
+        x, keep = self.x, self.keep
+        if x.dim() == 2:
+            return (x.stride(0), keep.stride(0), self.stride_tau, max(self.rows, 1), 0, 0)
+        return (x.stride(1), keep.stride(-2), self.stride_tau, max(x.shape[1], 1), x.stride(0),
+                keep.stride(0))  # fmt: skip
 
 
 def _prepare(logits, temperature, keep_mask, plan: ShardPlan) -> _Prepared:
@@ -104,7 +114,7 @@ def _prepare(logits, temperature, keep_mask, plan: ShardPlan) -> _Prepared:
     n_real = num_cols
     if plan.vocab_size is not None:
         n_real = max(0, min(num_cols, plan.vocab_size - plan.vocab_start))
-    return _Prepared(x, keep, tau, stride_tau, has_tau, n_real)
+    return _Prepared(x, keep, tau, stride_tau, has_tau, n_real, num_rows(logits))
 
 
 def _grad_temperature(temperature, prep: _Prepared) -> torch.Tensor:
@@ -162,9 +172,24 @@ def _launch_options(cfg: LaunchConfig) -> dict:
 # --- the three local passes ---
 
 
+def _on_device(fn):
+    """Launch on the device of the tensors: Triton launches on the current CUDA device, so
+    a call with tensors on cuda:1 while cuda:0 is current must switch (and switch back)."""
+
+    @functools.wraps(fn)
+    def launch_there(first, *args, **kwargs):
+        if first.device.type != "cuda":
+            return fn(first, *args, **kwargs)
+        with torch.cuda.device(first.device):
+            return fn(first, *args, **kwargs)
+
+    return launch_there
+
+
+@_on_device
 def row_max(logits, temperature, keep_mask, plan: ShardPlan, cfg=None):
     """Backend.row_max; `cfg` None means the dtype's fixed configuration (tests vary it)."""
-    n = logits.shape[0]
+    n = num_rows(logits)
     if n == 0 or logits.shape[-1] == 0:
         return torch.full((n,), float("-inf"), dtype=torch.float32, device=logits.device)
     cfg = cfg or CONFIGS[logits.dtype].max_pass
@@ -172,16 +197,16 @@ def row_max(logits, temperature, keep_mask, plan: ShardPlan, cfg=None):
     parts, per_program = _programs_per_row(n, prep.n_real, cfg, logits.device)
     out = torch.empty(n, parts, dtype=torch.float32, device=logits.device)
     kernels.row_max_kernel[(n, parts)](
-        prep.x, prep.keep, prep.tau, out,
-        prep.x.stride(0), prep.keep.stride(0), prep.stride_tau, prep.n_real, per_program,
+        prep.x, prep.keep, prep.tau, out, *prep.row_args(), prep.n_real, per_program,
         **_common(prep, keep_mask, logits.dtype), **_launch_options(cfg),
     )  # fmt: skip
     return out[:, 0] if parts == 1 else out.amax(dim=1)
 
 
+@_on_device
 def partials(logits, target, temperature, keep_mask, row_max_, plan, cfg=None):
     """Backend.partials; the programs sharing a row are summed exactly (int64)."""
-    n = logits.shape[0]
+    n = num_rows(logits)
     if n == 0 or logits.shape[-1] == 0:
         return torch.zeros(n, contract.NUM_COLS, dtype=torch.int64, device=logits.device)
     cfg = cfg or CONFIGS[logits.dtype].partials
@@ -191,20 +216,20 @@ def partials(logits, target, temperature, keep_mask, row_max_, plan, cfg=None):
     kernels.partials_kernel[(n, parts)](
         prep.x, prep.keep, prep.tau, row_max_.to(torch.float32).contiguous(),
         target.to(torch.int64).contiguous(), contract.exp2_table(logits.device), out,
-        prep.x.stride(0), prep.keep.stride(0), prep.stride_tau,
-        prep.n_real, plan.vocab_start, plan.ignore_index, per_program,
+        *prep.row_args(), prep.n_real, plan.vocab_start, plan.ignore_index, per_program,
         WITH_ENTROPY=plan.with_entropy,
         **_common(prep, keep_mask, logits.dtype), **_launch_options(cfg),
     )  # fmt: skip
     return out[:, 0] if parts == 1 else out.sum(dim=1)
 
 
+@_on_device
 def grad(logits, target, temperature, keep_mask, stats: GradStats, plan: ShardPlan, cfg=None):
     """Backend.grad: one program per (row, block of columns), written as bit patterns."""
-    n, num_cols = logits.shape
+    n, num_cols = num_rows(logits), logits.shape[-1]
     out = torch.empty(n, num_cols, dtype=logits.dtype, device=logits.device)
     if n == 0 or num_cols == 0:
-        return out
+        return out.view(logits.shape)
     cfg = cfg or CONFIGS[logits.dtype].grad
     prep = _prepare(logits, temperature, keep_mask, plan)
     kind, bits_dtype = _GRAD_KIND[logits.dtype]
@@ -216,18 +241,18 @@ def grad(logits, target, temperature, keep_mask, stats: GradStats, plan: ShardPl
         contract.exp2_table(logits.device), stats.row_max.to(torch.float32).contiguous(),
         f64(stats.s_hi), f64(stats.s_lo), f64(stats.log_s), f64(stats.entropy64),
         f64(stats.coef_a), f64(stats.coef_b), f64(stats.coef_t), f64(stats.coef_l),
-        stats.row_nan.to(torch.uint8).contiguous(), out.view(bits_dtype),
-        prep.x.stride(0), prep.keep.stride(0), prep.stride_tau,
+        stats.row_nan.to(torch.uint8).contiguous(), out.view(bits_dtype), *prep.row_args(),
         num_cols, prep.n_real, plan.vocab_start, plan.ignore_index,
         WITH_ENTROPY=plan.with_entropy, OUT_KIND=kind,
         **_common(prep, keep_mask, logits.dtype), **_launch_options(cfg),
     )  # fmt: skip
-    return out
+    return out.view(logits.shape)
 
 
 # --- 7. finalize ---
 
 
+@_on_device
 def finalize(
     row_max,
     record,
@@ -269,10 +294,41 @@ def finalize(
     return out
 
 
+# GPUs whose fp64 rate is a good share of their fp32 rate (P100, V100, A100, H100/H200,
+# B200): the direct kernels. Every other GPU (T4, A10, L4, L40S, consumer parts, fp64-poor
+# newer parts) takes the value tables for 16-bit rows of at least TABLE_MIN_COLS columns.
+FP64_RICH_CAPABILITIES = {(6, 0), (7, 0), (8, 0), (9, 0), (10, 0)}
+TABLE_MIN_COLS = 8192
+_TABLE_MODES = ("auto", "always", "never")
+
+
 class TritonBackend(Backend):
-    """the contract on a GPU through Triton (or on CPU tensors under TRITON_INTERPRET=1)."""
+    """the contract on a GPU through Triton (or on CPU tensors under TRITON_INTERPRET=1).
+
+    `value_tables`: "auto" (16-bit rows of at least TABLE_MIN_COLS columns on GPUs outside
+    FP64_RICH_CAPABILITIES), "always" (16-bit rows) or "never" -- a speed choice only:
+    every mode gives the same bits (value_tables.py)."""
 
     name = "triton"
+
+    def __init__(self, value_tables: str = "auto"):
+        if value_tables not in _TABLE_MODES:
+            raise ValueError(f"value_tables must be one of {_TABLE_MODES}, got {value_tables!r}")
+        self.value_tables = value_tables
+
+    def uses_tables(self, logits, plan: ShardPlan) -> bool:
+        from . import value_tables
+
+        if not value_tables.supports(logits.dtype) or self.value_tables == "never":
+            return False
+        if self.value_tables == "always":
+            return True
+        n_real = logits.shape[-1] if plan.vocab_size is None else plan.vocab_size - plan.vocab_start
+        return (
+            logits.device.type == "cuda"
+            and min(n_real, logits.shape[-1]) >= TABLE_MIN_COLS
+            and torch.cuda.get_device_capability(logits.device) not in FP64_RICH_CAPABILITIES
+        )
 
     def supports(self, device: torch.device) -> bool:
         return self.unsupported_reason(device) is None
@@ -293,7 +349,23 @@ class TritonBackend(Backend):
         return row_max(logits, temperature, keep_mask, plan)
 
     def partials(self, logits, target, temperature, keep_mask, row_max_, plan):
+        if self.uses_tables(logits, plan):
+            return _tables_on_device(logits, "sums")(
+                logits, target, temperature, keep_mask, row_max_, plan
+            )[1]
         return partials(logits, target, temperature, keep_mask, row_max_, plan)
+
+    def forward_unsharded(self, logits, target, temperature, keep_mask, plan):
+        if not self.uses_tables(logits, plan):
+            return super().forward_unsharded(logits, target, temperature, keep_mask, plan)
+        row_max, record = _tables_on_device(logits, "sums")(
+            logits, target, temperature, keep_mask, None, plan
+        )  # the max comes from the row's distinct values: one read of the logits less
+        fin = self.finalize(
+            row_max, record, target, plan.vocab_size, plan.ignore_index,
+            bad_temperature(temperature),
+        )  # fmt: skip
+        return row_max, record, fin
 
     def finalize(
         self, row_max, record, target, vocab_size, ignore_index, bad_temperature,
@@ -304,6 +376,10 @@ class TritonBackend(Backend):
         )
 
     def grad(self, logits, target, temperature, keep_mask, stats: GradStats, plan):
+        if self.uses_tables(logits, plan):
+            return _tables_on_device(logits, "grad")(
+                logits, target, temperature, keep_mask, stats, plan
+            )
         return grad(logits, target, temperature, keep_mask, stats, plan)
 
     def exact_dot(self, a, c):
@@ -311,4 +387,11 @@ class TritonBackend(Backend):
         (linear_kernels.py): int8 tensor cores on a GPU, the same integers everywhere."""
         from . import linear_kernels
 
-        return linear_kernels.exact_dot(a, c)
+        return _on_device(linear_kernels.exact_dot)(a, c)
+
+
+def _tables_on_device(logits, name: str):
+    """value_tables.<name>, launched under the logits' device."""
+    from . import value_tables
+
+    return _on_device(getattr(value_tables, name))

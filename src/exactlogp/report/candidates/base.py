@@ -117,6 +117,26 @@ class Candidate:
         """Undo global state set by `build` (parallel state, compiled graphs)."""
 
 
+def temperature_param(param: str) -> float | None:
+    """The value of a "temperature=T" parameter (T a finite float > 0), None for another."""
+    if not param.startswith("temperature="):
+        return None
+    text = param.removeprefix("temperature=")
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not (value > 0 and value != float("inf")):
+        raise ValueError(f"temperature must be a finite float > 0, got {text!r}")
+    return value
+
+
+def scaled_fp32(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """fp32(logits) / temperature, as the float baselines apply a sampling temperature."""
+    x = logits.to(torch.float32)
+    return x if temperature == 1.0 else x / temperature
+
+
 def logprobs_of(out) -> torch.Tensor:
     """The (N,) logprobs from what a candidate's function returned."""
     return out[0] if isinstance(out, tuple) else out

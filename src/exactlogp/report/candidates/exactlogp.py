@@ -5,12 +5,13 @@ pin one other available backend, so the report also shows that backends agree bi
 The vocabulary is padded as Megatron pads it (to a multiple of 128 * TP), so TP4 == TP1
 here also covers different padding.
 
-Parameters, in "exactlogp[BACKEND,entropy,value_tables=MODE,validate=false]" (each
-optional):
+Parameters, in "exactlogp[BACKEND,entropy,value_tables=MODE,validate=false,temperature=T]"
+(each optional):
   BACKEND             a backend name (default "auto")
   entropy             also compute the entropy (the RL case); the loss then adds it
   value_tables=MODE   the CPU backend's value-table mode ("never": column by column)
   validate=false      no bad-row check, so no host sync (what a GPU step would run)
+  temperature=T       the sampling temperature (default 1)
 """
 
 from __future__ import annotations
@@ -21,14 +22,14 @@ import torch
 
 from ...api import selected_logprobs
 from ...backends import get_backend
-from .base import Candidate, ShardContext, Unavailable, round_up
+from .base import Candidate, ShardContext, Unavailable, round_up, temperature_param
 from .megatron import MEGATRON_PAD_MULTIPLE
 
 # A pinned backend's row is there to show its bits equal the auto backend's on every row;
 # a few timed runs say how fast it is. (The pure-torch reference backend takes tens of
 # seconds per run of the default workload on a small CPU; ten of them add minutes.)
 PINNED_TIMED_RUNS = 3
-USAGE = "exactlogp[BACKEND,entropy,value_tables=MODE,validate=false]"
+USAGE = "exactlogp[BACKEND,entropy,value_tables=MODE,validate=false,temperature=T]"
 
 
 class ExactlogpCandidate(Candidate):
@@ -41,17 +42,20 @@ class ExactlogpCandidate(Candidate):
         with_entropy: bool = False,
         value_tables: str | None = None,
         validate: bool = True,
+        temperature: float = 1.0,
     ):
         self.backend, self.with_entropy, self.value_tables = backend, with_entropy, value_tables
-        self.validate = validate
+        self.validate, self.temperature = validate, temperature
         params = [] if backend == "auto" else [backend]
         params += ["entropy"] if with_entropy else []
         params += [f"value_tables={value_tables}"] if value_tables else []
         params += [] if validate else ["validate=false"]
+        params += [] if temperature == 1.0 else [f"temperature={temperature:g}"]
         self.name = f"exactlogp[{','.join(params)}]" if params else "exactlogp"
         self.max_timed_runs = None if backend == "auto" else PINNED_TIMED_RUNS
         options = f"backend={backend!r}" + (", with_entropy=True" if with_entropy else "")
         options += "" if validate else ", validate=False"
+        options += "" if temperature == 1.0 else f", temperature={temperature:g}"
         tables = f"; value tables {value_tables!r}" if value_tables else ""
         self.summary = (
             f"exactlogp.selected_logprobs({options}): exact int64 accumulation, "
@@ -60,9 +64,12 @@ class ExactlogpCandidate(Candidate):
 
     @classmethod
     def from_params(cls, params: tuple[str, ...]) -> ExactlogpCandidate:
-        backend, with_entropy, value_tables, validate = "auto", False, None, True
+        backend, with_entropy, value_tables, validate, temperature = "auto", False, None, True, 1.0
         for p in params:
-            if p == "entropy":
+            tau = temperature_param(p)
+            if tau is not None:
+                temperature = tau
+            elif p == "entropy":
                 with_entropy = True
             elif p.startswith("value_tables="):
                 value_tables = p.removeprefix("value_tables=")
@@ -72,7 +79,7 @@ class ExactlogpCandidate(Candidate):
                 backend = p
             else:
                 raise ValueError(f"exactlogp takes {USAGE}, got parameter {p!r}")
-        return cls(backend, with_entropy, value_tables, validate)
+        return cls(backend, with_entropy, value_tables, validate, temperature)
 
     def check_available(self, device: torch.device) -> None:
         try:
@@ -108,6 +115,7 @@ class ExactlogpCandidate(Candidate):
 
     def build(self, ctx: ShardContext):
         backend, with_entropy, validate = self.backend, self.with_entropy, self.validate
+        temperature = self.temperature
 
         def run(logits: torch.Tensor, target: torch.Tensor):
             with self.scope():
@@ -120,6 +128,7 @@ class ExactlogpCandidate(Candidate):
                     backend=backend,
                     with_entropy=with_entropy,
                     validate=validate,
+                    temperature=temperature,
                 )
             return (res.logprobs, res.entropy) if with_entropy else res.logprobs
 

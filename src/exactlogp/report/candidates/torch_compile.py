@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import torch
 
-from .base import Candidate, ShardContext
+from .base import Candidate, ShardContext, scaled_fp32, temperature_param
 
 
-def fp32_logprobs(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    x = logits.float()  # (N, V)
+def fp32_logprobs(
+    logits: torch.Tensor, target: torch.Tensor, temperature: float = 1.0
+) -> torch.Tensor:
+    x = scaled_fp32(logits, temperature)  # (N, V)
     return x.gather(-1, target.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(x, dim=-1)
 
 
@@ -29,12 +31,26 @@ class TorchCompile(Candidate):
     tp1_only = True
     supports_backward = True
 
+    def __init__(self, temperature: float = 1.0):
+        self.temperature = temperature
+        if temperature != 1.0:
+            self.name = f"torch_compile[temperature={temperature:g}]"
+
+    @classmethod
+    def from_params(cls, params: tuple[str, ...]) -> TorchCompile:
+        temperatures = [temperature_param(p) for p in params]
+        if None in temperatures or len(params) > 1:
+            raise ValueError(
+                f"candidate 'torch_compile' takes no parameters but temperature=T, got {list(params)}"
+            )
+        return cls(*temperatures)
+
     def build(self, ctx: ShardContext):
         if ctx.tp != 1:
             raise ValueError(f"torch_compile runs at tp=1 only, got tp={ctx.tp}")
-        vocab = ctx.vocab_size
+        vocab, temperature = ctx.vocab_size, self.temperature
         compiled = torch.compile(fp32_logprobs, dynamic=False)
-        return lambda logits, target: compiled(logits[:, :vocab], target)
+        return lambda logits, target: compiled(logits[:, :vocab], target, temperature)
 
     def teardown(self) -> None:
         torch._dynamo.reset()
