@@ -35,3 +35,16 @@ def test_bench_main_writes_its_table_and_results(tmp_path):
 def test_bench_rejects_unknown_candidates(tmp_path):
     with pytest.raises(SystemExit, match="unknown candidate"):
         bench.main(["--candidates", "nope", "--out", str(tmp_path)])
+
+
+def test_the_recorded_command_names_the_instruction_set_caps(monkeypatch):
+    from exactlogp.bench import cpu as bench
+
+    for name in bench.ISA_ENV:
+        monkeypatch.delenv(name, raising=False)
+    assert bench.recorded_command(["--goals"]) == "exactlogp bench --goals"
+    monkeypatch.setenv("EXACTLOGP_CPU_ISA", "avx2")
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    assert bench.recorded_command(["--goals", "--out", "a b"]) == (
+        "EXACTLOGP_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 exactlogp bench --goals --out 'a b'"
+    )

@@ -40,6 +40,14 @@ from ..report.measure import MODES
 from ..report.tp1 import tp1_steps
 from ..testing import heavy_tailed_logits, llm_like_logits
 
+# environment variables that cap the instruction sets (ours, ATen's and inductor's, oneDNN's,
+# MKL's): a run under them is recorded with them, e.g. to measure an AVX2-only machine's ratios
+ISA_ENV = (
+    "EXACTLOGP_CPU_ISA",
+    "ATEN_CPU_CAPABILITY",
+    "ONEDNN_MAX_CPU_ISA",
+    "MKL_ENABLE_INSTRUCTIONS",
+)
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 SWEEP_TOKENS = (128, 256, 512, 1024, 2048, 4096)
 SWEEP_VOCAB = (32768, 65536, 131072, 151936, 262144)
@@ -97,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.measure_memory:
         return _child_memory(args, *args.measure_memory)
     args.out.mkdir(parents=True, exist_ok=True)
-    command = "exactlogp bench " + shlex.join(sys.argv[1:] if argv is None else argv)
+    command = recorded_command(sys.argv[1:] if argv is None else argv)
     if args.goals:
         return goals(args, command)
     names = _names("--candidates", args.candidates)
@@ -110,6 +118,12 @@ def main(argv: list[str] | None = None) -> int:
         report["sweeps"] = sweeps(args, sweep_names)
     _write(args.out, report)
     return 0
+
+
+def recorded_command(argv: list[str]) -> str:
+    """The command line the tables name, with the instruction-set caps it ran under."""
+    isa_env = [f"{k}={shlex.quote(os.environ[k])}" for k in ISA_ENV if os.environ.get(k)]
+    return " ".join([*isa_env, "exactlogp bench " + shlex.join(argv)])
 
 
 def _names(option: str, value: str) -> list[str]:
