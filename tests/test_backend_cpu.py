@@ -358,6 +358,37 @@ def test_value_counts_multiply_exactly(cpu, ref):
                          _passes(ref, x, target, 1.0, None, plan), "repeated values")  # fmt: skip
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_value_tables_on_rows_of_one_sign_one_value_and_extreme_magnitudes(cpu, ref, dtype):
+    """Rows whose values fill few, far-apart slots of the value table: one sign only, one
+    value, +-0 only, a narrow band, both ends of the magnitudes (subnormal and +-inf, NaN),
+    small values of both signs. The fused forward (its max from the listed values) and the
+    three passes both match the reference."""
+    width = 3000
+    gen = torch.Generator().manual_seed(5)
+    band = 1.0 + torch.rand(width, generator=gen)  # [1, 2): one binade
+    rows = [
+        -band,  # negative only
+        band * 8.0,  # positive only
+        torch.full((width,), -3.25),  # one value
+        torch.where(torch.arange(width) % 2 == 0, 0.0, -0.0),  # +0 and -0 only
+        torch.cat([band[:-4] * 1e-3, torch.tensor([1e-40, -float("inf"), float("inf"), -2.0])]),
+        torch.cat([-band[:-1] * 1e-30, torch.tensor([float("nan")])]),
+        torch.randn(width, generator=gen) * 1e-3,  # both signs, small magnitudes
+    ]
+    x = torch.stack(rows).to(dtype)
+    target = torch.arange(len(rows)) * 7
+    kw = {"validate": False}
+    outs_c, grad_c = _forward_backward(x, target, kw, "cpu", True)
+    outs_r, grad_r = _forward_backward(x, target, kw, "reference", True)
+    for what, a, b in zip(("logprobs", "lse", "entropy"), outs_c, outs_r, strict=True):
+        assert_bitwise_equal(a, b, f"{dtype} {what}")
+    assert_bitwise_equal(grad_c, grad_r, f"{dtype} grad")
+    plan = ShardPlan(0, None, -100, True)
+    _assert_passes_equal(_passes(cpu, x, target, 1.0, None, plan),
+                         _passes(ref, x, target, 1.0, None, plan), f"{dtype} ranges")  # fmt: skip
+
+
 def test_every_fp16_value_in_one_row(cpu, ref):
     """A row holding all 65536 fp16 bit patterns (NaNs, infinities, subnormals, -0) plus
     more columns, with temperatures that overflow large values to inf. Such rows are bad

@@ -87,6 +87,37 @@ def validate_rows(forward: Forward, target, temperature, opts: Options) -> None:
     validation.raise_for_bad_rows(forward.fin.bad, forward.record, target, ctx)
 
 
+_ROW_STATS = ("s_hi", "s_lo", "log_s", "entropy64", "bad", "ignored")  # contract.RowStats
+
+
+def save_forward(ctx, inputs: tuple, forward: Forward) -> tuple:
+    """The end of an autograd.Function's forward over forward_pipeline: save `inputs`, the
+    row max and the row statistics for saved_grad_stats; return (logprobs, entropy, lse),
+    the entropy empty and non-differentiable without with_entropy. Needs ctx.opts."""
+    fin = forward.fin
+    ctx.save_for_backward(*inputs, forward.row_max, *(getattr(fin, f) for f in _ROW_STATS))
+    if ctx.opts.plan.with_entropy:
+        return fin.logprobs, fin.entropy, fin.lse
+    entropy = fin.entropy.new_empty(0)
+    ctx.mark_non_differentiable(entropy)
+    return fin.logprobs, entropy, fin.lse
+
+
+def saved_grad_stats(ctx, grads: tuple, tau_index: int):
+    """In backward, after save_forward: (the saved inputs, contract.GradStats of the upstream
+    `grads` (logprobs, entropy, lse), the temperature the gradient divides by), the
+    temperature tensor being inputs[tau_index] (None: ctx.scalar_temperature)."""
+    saved = ctx.saved_tensors
+    *inputs, row_max = saved[: -len(_ROW_STATS)]
+    rows = contract.RowStats(*saved[-len(_ROW_STATS) :])
+    g_logprobs, g_entropy, g_lse = grads
+    g_entropy = g_entropy if ctx.opts.plan.with_entropy else None
+    stats = contract.grad_stats(row_max, rows, g_logprobs, g_entropy, g_lse)
+    tau = inputs[tau_index]
+    tau = contract.grad_temperature(stats, ctx.scalar_temperature if tau is None else tau)
+    return inputs, stats, tau
+
+
 def once_differentiable(backward):
     """Backward runs without building a graph; under create_graph=True its gradients are
     marked so that differentiating them again raises a clear error (torch's own
@@ -138,30 +169,15 @@ class SelectedLogprobsFunction(torch.autograd.Function):
         forward = forward_pipeline(logits, target, temperature, keep_mask, opts)
         if opts.validate:
             validate_rows(forward, target, temperature, opts)
-        row_max, fin = forward.row_max, forward.fin
         ctx.opts = opts
         ctx.scalar_temperature = scalar_temperature
-        ctx.save_for_backward(
-            logits, target, temperature_tensor, keep_mask, row_max,
-            fin.s_hi, fin.s_lo, fin.log_s, fin.entropy64, fin.bad, fin.ignored,
-        )  # fmt: skip
-        entropy = fin.entropy if opts.plan.with_entropy else fin.entropy.new_empty(0)
-        if not opts.plan.with_entropy:
-            ctx.mark_non_differentiable(entropy)
-        return fin.logprobs, entropy, fin.lse
+        return save_forward(ctx, (logits, target, temperature_tensor, keep_mask), forward)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, g_logprobs, g_entropy, g_lse):
-        (logits, target, temperature_tensor, keep_mask, row_max,
-         s_hi, s_lo, log_s, entropy64, bad, ignored) = ctx.saved_tensors  # fmt: skip
+        inputs, stats, temperature = saved_grad_stats(ctx, (g_logprobs, g_entropy, g_lse), 2)
+        logits, target, _, keep_mask = inputs
         opts = ctx.opts
-        rows = contract.RowStats(s_hi, s_lo, log_s, entropy64, bad, ignored)
-        g_entropy = g_entropy if opts.plan.with_entropy else None
-        stats = contract.grad_stats(row_max, rows, g_logprobs, g_entropy, g_lse)
-        temperature = contract.grad_temperature(
-            stats,
-            ctx.scalar_temperature if temperature_tensor is None else temperature_tensor,
-        )
         grad = opts.backend.grad(logits, target, temperature, keep_mask, stats, opts.plan)
         return grad.view(logits.shape), None, None, None, None, None

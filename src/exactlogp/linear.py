@@ -32,7 +32,15 @@ import torch
 from . import agreement, contract, distributed
 from . import linear_contract as lc
 from .api import Call, LogprobResult, device_of, prepare_call
-from .autograd import Forward, Options, forward_pipeline, once_differentiable, validate_rows
+from .autograd import (
+    Forward,
+    Options,
+    forward_pipeline,
+    once_differentiable,
+    save_forward,
+    saved_grad_stats,
+    validate_rows,
+)
 
 ROW_BLOCK = 256  # rows per forward block: fixed, so every rank issues the same collectives
 LOGITS_BUDGET = 128 << 20  # bytes of fp32 logits computed per pass over the weight (at
@@ -209,29 +217,15 @@ class LinearSelectedLogprobsFunction(torch.autograd.Function):
         forward = _combine(parts, n, hidden.device)
         if opts.validate:
             validate_rows(forward, target, temperature, opts)
-        fin = forward.fin
         ctx.opts, ctx.lin, ctx.scalar_temperature = opts, lin, scalar_temperature
-        ctx.save_for_backward(
-            hidden, weight, bias, target, temperature_tensor, forward.row_max,
-            fin.s_hi, fin.s_lo, fin.log_s, fin.entropy64, fin.bad, fin.ignored,
-        )  # fmt: skip
-        entropy = fin.entropy if opts.plan.with_entropy else fin.entropy.new_empty(0)
-        if not opts.plan.with_entropy:
-            ctx.mark_non_differentiable(entropy)
-        return fin.logprobs, entropy, fin.lse
+        return save_forward(ctx, (hidden, weight, bias, target, temperature_tensor), forward)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, g_logprobs, g_entropy, g_lse):
-        (hidden, weight, bias, target, temperature_tensor, row_max,
-         s_hi, s_lo, log_s, entropy64, bad, ignored) = ctx.saved_tensors  # fmt: skip
+        inputs, stats, tau = saved_grad_stats(ctx, (g_logprobs, g_entropy, g_lse), 4)
+        hidden, weight, bias, target, _ = inputs
         opts, lin = ctx.opts, ctx.lin
-        rows = contract.RowStats(s_hi, s_lo, log_s, entropy64, bad, ignored)
-        g_entropy = g_entropy if opts.plan.with_entropy else None
-        stats = contract.grad_stats(row_max, rows, g_logprobs, g_entropy, g_lse)
-        tau = contract.grad_temperature(
-            stats, ctx.scalar_temperature if temperature_tensor is None else temperature_tensor
-        )
         w = _Weight(weight, bias, lin.logit_scale, opts.backend)
         a, row_scale = _hidden(hidden)
         grads = _Grads(hidden, w, ~stats.silent, ctx.needs_input_grad)

@@ -95,6 +95,10 @@ class Backend:
         them (one read of each row); this one runs them one after another."""
         row_max = self.row_max(logits, temperature, keep_mask, plan)
         record = self.partials(logits, target, temperature, keep_mask, row_max, plan)
+        return self.finish_unsharded(row_max, record, target, temperature, plan)
+
+    def finish_unsharded(self, row_max, record, target, temperature, plan: ShardPlan):
+        """forward_unsharded's last stage: (row max, record, Finalized of the record)."""
         fin = self.finalize(
             row_max, record, target, plan.vocab_size, plan.ignore_index,
             bad_temperature(temperature),

@@ -21,7 +21,7 @@ import torch
 
 from ... import contract
 from ...contract import GradStats
-from ..base import Backend, ShardPlan, bad_temperature, num_rows
+from ..base import Backend, ShardPlan, num_rows
 from . import kernels
 
 
@@ -361,11 +361,7 @@ class TritonBackend(Backend):
         row_max, record = _tables_on_device(logits, "sums")(
             logits, target, temperature, keep_mask, None, plan
         )  # the max comes from the row's distinct values: one read of the logits less
-        fin = self.finalize(
-            row_max, record, target, plan.vocab_size, plan.ignore_index,
-            bad_temperature(temperature),
-        )  # fmt: skip
-        return row_max, record, fin
+        return self.finish_unsharded(row_max, record, target, temperature, plan)
 
     def finalize(
         self, row_max, record, target, vocab_size, ignore_index, bad_temperature,
