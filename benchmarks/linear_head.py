@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 import exactlogp
+from exactlogp.bench.cpu import isa_caps
 from exactlogp.report import measure
 from exactlogp.testing import lm_head_inputs
 
@@ -138,13 +139,21 @@ def main(argv=None) -> int:
                 print(f"peak memory: {n} {m}", file=sys.stderr, flush=True)
                 rows[n][m + "_mib"] = _memory(args, n, m)
     ours = names[0]
+    argv_text = " ".join(sys.argv[1:] if argv is None else argv)
+    command = " ".join(
+        [*isa_caps(), f"PYTHONPATH=src python benchmarks/linear_head.py {argv_text}"]
+    )
+    method = ""
+    if not args.memory_only:
+        method += f"; medians (min-max) of {args.repeats} rounds, interleaved in a shuffled order"
+    if not args.no_memory:
+        method += "; peak extra memory of one step in a fresh process"
     lines = [
         f"## Fused LM head, {shape} (CPU)",
         "",
-        f"Command: `PYTHONPATH=src python benchmarks/linear_head.py {' '.join(sys.argv[1:] if argv is None else argv)}`  ",
+        f"Command: `{command}`  ",
         f"Machine: {_cpu()}, {os.cpu_count()} cores, torch {torch.__version__}, "
-        f"{time.strftime('%Y-%m-%d %H:%M %Z')}; medians (min-max) of {args.repeats} rounds, "
-        "interleaved in a shuffled order; peak extra memory of one step in a fresh process.",
+        f"{time.strftime('%Y-%m-%d %H:%M %Z')}{method}.",
         "",
         "| candidate | forward ms | fwd+bwd ms | forward / ours | fwd+bwd / ours "
         "| peak MiB forward | peak MiB fwd+bwd |",

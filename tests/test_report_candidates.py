@@ -296,3 +296,26 @@ def test_check_rows_are_seeded_and_disjoint():
     assert rows == sorted(rows) and len(rows) == 10 and len(extra) == 10
     assert not set(rows) & set(extra)
     assert (rows, extra) == workload.check_rows(100, 10, seed=0)
+
+
+def test_value_table_scope_sets_the_backend_of_the_shards_device(monkeypatch):
+    """exactlogp[BACKEND,value_tables=MODE] switches the tables of the backend that runs on
+    the built shard's device (a GPU's Triton backend in the GPU check), not the CPU one's,
+    and puts the mode back afterwards."""
+    from exactlogp.report.candidates import exactlogp as module
+
+    seen = []
+    impl = types.SimpleNamespace(value_tables="auto")
+
+    def fake_get_backend(name, device):
+        seen.append((name, device))
+        return impl
+
+    cand = candidates.create("exactlogp[triton,value_tables=always]")
+    device = torch.device("cuda", 1)  # only named, never used: the backend is a stand-in
+    cand.build(ShardContext(0, 1, None, device, 256, 256, 0))
+    monkeypatch.setattr(module, "get_backend", fake_get_backend)
+    with cand.scope():
+        assert impl.value_tables == "always"
+    assert impl.value_tables == "auto"
+    assert seen == [("triton", device)]

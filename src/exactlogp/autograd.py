@@ -76,9 +76,8 @@ def forward_pipeline(
 
 
 def validate_rows(forward: Forward, target, temperature, opts: Options) -> None:
-    """validate=True: raise on every rank for the first bad row (one host sync)."""
-    if not bool(forward.fin.bad.any()):  # the one host sync of validation
-        return
+    """validate=True: raise on every rank for the first bad row (one host sync, in
+    validation.raise_for_bad_rows)."""
     plan = opts.plan
     ctx = validation.RowContext(
         opts.target_shape, temperature, plan.vocab_size, plan.ignore_index,

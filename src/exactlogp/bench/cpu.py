@@ -120,10 +120,14 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def isa_caps() -> list[str]:
+    """`NAME=value` of each ISA_ENV variable set in this process."""
+    return [f"{k}={shlex.quote(os.environ[k])}" for k in ISA_ENV if os.environ.get(k)]
+
+
 def recorded_command(argv: list[str]) -> str:
     """The command line the tables name, with the instruction-set caps it ran under."""
-    isa_env = [f"{k}={shlex.quote(os.environ[k])}" for k in ISA_ENV if os.environ.get(k)]
-    return " ".join([*isa_env, "exactlogp bench " + shlex.join(argv)])
+    return " ".join([*isa_caps(), "exactlogp bench " + shlex.join(argv)])
 
 
 def _names(option: str, value: str) -> list[str]:

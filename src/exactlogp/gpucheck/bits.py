@@ -45,65 +45,27 @@ class BitCase:
     value_tables: str = "auto"  # the Triton path: "auto" (as the GPU picks), "always", "never"
 
 
+def forced(case: BitCase, value_tables: str) -> BitCase:
+    """`case` on one Triton path whatever "auto" picks on this GPU, named -tables or -direct
+    (its inputs, and so the CPU runs, are shared with `case`)."""
+    suffix = "-tables" if value_tables == "always" else "-direct"
+    return dataclasses.replace(case, name=case.name + suffix, value_tables=value_tables)
+
+
 def bit_cases(tiny: bool) -> list[BitCase]:
     if tiny:
-        return [
-            BitCase("tiny-tp4", 4, 512, torch.bfloat16, shards=TP),
-            BitCase("tiny-tp4-tables", 4, 512, torch.bfloat16, shards=TP, value_tables="always"),
-            BitCase("tiny-fp16-mask", 5, 300, torch.float16, 290, "per_row", 0.7, True),
-            BitCase(
-                "tiny-fp16-mask-direct",
-                5,
-                300,
-                torch.float16,
-                290,
-                "per_row",
-                0.7,
-                True,
-                value_tables="never",
-            ),  # fmt: skip
-            BitCase("tiny-fp32-edge", 6, 200, torch.float32, None, "0.7", None, True),
-        ]
+        tp4 = BitCase("tiny-tp4", 4, 512, torch.bfloat16, shards=TP)
+        fp16 = BitCase("tiny-fp16-mask", 5, 300, torch.float16, 290, "per_row", 0.7, True)
+        fp32 = BitCase("tiny-fp32-edge", 6, 200, torch.float32, None, "0.7", None, True)
+        return [tp4, forced(tp4, "always"), fp16, forced(fp16, "never"), fp32]
+    full = BitCase("qwen3next-full", 1024, QWEN3_NEXT_VOCAB, torch.bfloat16)
+    tp4 = dataclasses.replace(full, name="qwen3next-tp4", shards=TP)
+    fp16 = BitCase("fp16-temp-mask-pad", 257, 50304, torch.float16, 50257, "per_row", 0.6, True)
+    fp32 = BitCase("fp32-edge", 64, 4096, torch.float32, None, "0.7", None, True)
     return [
-        BitCase("qwen3next-full", 1024, QWEN3_NEXT_VOCAB, torch.bfloat16),
-        BitCase("qwen3next-tp4", 1024, QWEN3_NEXT_VOCAB, torch.bfloat16, shards=TP),
-        # both Triton paths whatever "auto" picks on this GPU (the CPU runs are shared)
-        BitCase(
-            "qwen3next-full-direct", 1024, QWEN3_NEXT_VOCAB, torch.bfloat16, value_tables="never"
-        ),
-        BitCase(
-            "qwen3next-tp4-tables",
-            1024,
-            QWEN3_NEXT_VOCAB,
-            torch.bfloat16,
-            shards=TP,
-            value_tables="always",
-        ),
-        BitCase("fp16-temp-mask-pad", 257, 50304, torch.float16, 50257, "per_row", 0.6, True),
-        BitCase(
-            "fp16-temp-mask-pad-tables",
-            257,
-            50304,
-            torch.float16,
-            50257,
-            "per_row",
-            0.6,
-            True,
-            value_tables="always",
-        ),
-        BitCase(
-            "fp16-temp-mask-pad-direct",
-            257,
-            50304,
-            torch.float16,
-            50257,
-            "per_row",
-            0.6,
-            True,
-            value_tables="never",
-        ),
-        BitCase("fp32-edge", 64, 4096, torch.float32, None, "0.7", None, True),
-    ]
+        full, tp4, forced(full, "never"), forced(full, "always"), forced(tp4, "always"),
+        fp16, forced(fp16, "always"), forced(fp16, "never"), fp32,
+    ]  # fmt: skip
 
 
 # --- inputs, made on the device (the CPU copy feeds the reference) ---

@@ -46,6 +46,7 @@ class ExactlogpCandidate(Candidate):
     ):
         self.backend, self.with_entropy, self.value_tables = backend, with_entropy, value_tables
         self.validate, self.temperature = validate, temperature
+        self.device = torch.device("cpu")  # until build() names the shard's device
         params = [] if backend == "auto" else [backend]
         params += ["entropy"] if with_entropy else []
         params += [f"value_tables={value_tables}"] if value_tables else []
@@ -108,12 +109,14 @@ class ExactlogpCandidate(Candidate):
         return get_backend(self.backend, device).name
 
     def scope(self):
-        """The backend in value-table mode `value_tables` (as it is when None)."""
+        """The backend of the built shard's device in value-table mode `value_tables` (as it
+        is when None)."""
         if not self.value_tables:
             return contextlib.nullcontext()
-        return _value_tables(get_backend(self.backend, torch.device("cpu")), self.value_tables)
+        return _value_tables(get_backend(self.backend, self.device), self.value_tables)
 
     def build(self, ctx: ShardContext):
+        self.device = ctx.device  # the backend whose value tables scope() sets
         backend, with_entropy, validate = self.backend, self.with_entropy, self.validate
         temperature = self.temperature
 
