@@ -145,6 +145,15 @@ def once_differentiable(backward):
     return wrapper
 
 
+def checked_forward(logits, target, temperature_tensor, keep_mask, scalar_temperature, opts):
+    """forward_pipeline on the whole call, then (validate=True) the bad-row check."""
+    temperature = scalar_temperature if temperature_tensor is None else temperature_tensor
+    forward = forward_pipeline(logits, target, temperature, keep_mask, opts)
+    if opts.validate:
+        validate_rows(forward, target, temperature, opts)
+    return forward
+
+
 def selected_logprobs_rows(logits, target, temperature_tensor, keep_mask, scalar_temperature, opts):
     """SelectedLogprobsFunction.apply; where no gradient can flow (grad mode off, or logits
     that do not require grad) its forward alone: the same outputs, without the autograd
@@ -153,21 +162,18 @@ def selected_logprobs_rows(logits, target, temperature_tensor, keep_mask, scalar
         return SelectedLogprobsFunction.apply(
             logits, target, temperature_tensor, keep_mask, scalar_temperature, opts
         )
-    temperature = scalar_temperature if temperature_tensor is None else temperature_tensor
-    forward = forward_pipeline(logits, target, temperature, keep_mask, opts)
-    if opts.validate:
-        validate_rows(forward, target, temperature, opts)
-    fin = forward.fin
+    fin = checked_forward(
+        logits, target, temperature_tensor, keep_mask, scalar_temperature, opts
+    ).fin
     return fin.logprobs, fin.entropy, fin.lse
 
 
 class SelectedLogprobsFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, temperature_tensor, keep_mask, scalar_temperature, opts):
-        temperature = scalar_temperature if temperature_tensor is None else temperature_tensor
-        forward = forward_pipeline(logits, target, temperature, keep_mask, opts)
-        if opts.validate:
-            validate_rows(forward, target, temperature, opts)
+        forward = checked_forward(
+            logits, target, temperature_tensor, keep_mask, scalar_temperature, opts
+        )
         ctx.opts = opts
         ctx.scalar_temperature = scalar_temperature
         return save_forward(ctx, (logits, target, temperature_tensor, keep_mask), forward)

@@ -8,6 +8,7 @@ input.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -69,6 +70,18 @@ def bad_temperature(temperature) -> torch.Tensor | None:
     if isinstance(temperature, torch.Tensor):
         return ~(torch.isfinite(temperature) & (temperature > 0))
     return None
+
+
+@contextlib.contextmanager
+def value_tables_mode(impl, mode: str):
+    """Backend `impl` (one with value tables: cpu, triton) in value-table mode `mode` for the
+    block, its mode put back after: a speed choice only, the bits are the same."""
+    before = impl.value_tables
+    impl.value_tables = mode
+    try:
+        yield impl
+    finally:
+        impl.value_tables = before
 
 
 class Backend:

@@ -26,6 +26,7 @@ import exactlogp
 
 from .. import contract, testing
 from ..backends import ShardPlan, get_backend
+from ..backends.base import value_tables_mode
 
 QWEN3_NEXT_VOCAB = 151936
 TP = 4
@@ -174,16 +175,11 @@ def run_local_passes(inp: Inputs, case: BitCase, backend: str, lo: int, hi: int)
     }
 
 
-@contextlib.contextmanager
 def triton_path(device, value_tables: str):
-    """The Triton backend on `device` with its value_tables mode set (and put back)."""
-    impl = get_backend("triton", device)
-    before = impl.value_tables
-    impl.value_tables = value_tables if value_tables != "auto" else before
-    try:
-        yield
-    finally:
-        impl.value_tables = before
+    """The Triton backend on `device` on the path `value_tables` names ("auto": as it is)."""
+    if value_tables == "auto":
+        return contextlib.nullcontext()
+    return value_tables_mode(get_backend("triton", device), value_tables)
 
 
 # --- comparing bits ---

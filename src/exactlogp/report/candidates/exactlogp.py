@@ -22,6 +22,7 @@ import torch
 
 from ...api import selected_logprobs
 from ...backends import get_backend
+from ...backends.base import value_tables_mode
 from .base import Candidate, ShardContext, Unavailable, round_up, temperature_param
 from .megatron import MEGATRON_PAD_MULTIPLE
 
@@ -113,7 +114,7 @@ class ExactlogpCandidate(Candidate):
         is when None)."""
         if not self.value_tables:
             return contextlib.nullcontext()
-        return _value_tables(get_backend(self.backend, self.device), self.value_tables)
+        return value_tables_mode(get_backend(self.backend, self.device), self.value_tables)
 
     def build(self, ctx: ShardContext):
         self.device = ctx.device  # the backend whose value tables scope() sets
@@ -142,13 +143,3 @@ class ExactlogpCandidate(Candidate):
             return super().loss(out)
         logprobs, entropy = out
         return -logprobs.sum() + entropy.sum()
-
-
-@contextlib.contextmanager
-def _value_tables(impl, mode: str):
-    before = impl.value_tables
-    impl.value_tables = mode
-    try:
-        yield
-    finally:
-        impl.value_tables = before
