@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -472,27 +473,83 @@ def test_fp32_rows_of_bf16_values_take_the_bf16_tables(cpu, ref):
 # --- threads ---
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("value_tables", ["never", "always"])
-def test_one_thread_and_many_threads_give_the_same_bits(ref, value_tables):
+def test_one_thread_and_many_threads_give_the_same_bits(ref, value_tables, dtype):
+    """Every pass, and the fused forward, whose threads claim their next rows early and
+    prefetch them (64 rows: enough for the look-ahead at every thread count here)."""
     from exactlogp.backends.cpu import CpuBackend
 
-    x, target = llm_like_logits(64, 4099, torch.bfloat16, seed=9)
+    x, target = llm_like_logits(64, 4099, dtype, seed=9)
     keep = torch.rand(64, 4099, generator=torch.Generator().manual_seed(1)) < 0.9
     keep[torch.arange(64), target] = True
     plan = ShardPlan(0, None, -100, True)
     results = []
-    for threads in (1, 3, 8):
+    for threads in (1, 2, 3, 8):
         b = CpuBackend(num_threads=threads, value_tables=value_tables)
         m = b.row_max(x, 0.9, keep, plan)
         record = b.partials(x, target, 0.9, keep, m, plan)
         fin = contract.finalize(m, record, target, None, -100, None)
         stats = _stats_for(fin, seed=0)._replace(row_max=m)
-        results.append((m, record, b.grad(x, target, 0.9, keep, stats, plan)))
+        m_fused, record_fused, fin_fused = b.forward_unsharded(x, target, 0.9, keep, plan)
+        results.append(
+            (m, record, b.grad(x, target, 0.9, keep, stats, plan), m_fused, record_fused,
+             *fin_fused)
+        )  # fmt: skip
     for other in results[1:]:
         for a, b in zip(results[0], other, strict=True):
             assert_bitwise_equal(a, b, "threads")
     m_ref = ref.row_max(x, 0.9, keep, plan)
-    assert_bitwise_equal(results[0][1], ref.partials(x, target, 0.9, keep, m_ref, plan), "ref")
+    record_ref = ref.partials(x, target, 0.9, keep, m_ref, plan)
+    assert_bitwise_equal(results[0][1], record_ref, "ref")
+    assert_bitwise_equal(results[0][3], m_ref, "fused row max")
+    assert_bitwise_equal(results[0][4], record_ref, "fused record")
+    fin_ref = contract.finalize(m_ref, record_ref, target, None, -100, None)
+    for field, got in zip(contract.Finalized._fields, results[0][5:], strict=True):
+        assert_bitwise_equal(got, getattr(fin_ref, field), field)
+
+
+_FORK_SCRIPT = """
+import os, sys, torch, exactlogp
+from exactlogp.testing import llm_like_logits
+torch.set_num_threads(2)
+x, t = llm_like_logits(64, 32000, torch.float32, seed=3)
+before = exactlogp.selected_logprobs(x, t, backend="cpu").logprobs  # a parallel region
+pid = os.fork()
+if pid == 0:
+    after = exactlogp.selected_logprobs(x, t, backend="cpu").logprobs
+    os._exit(0 if torch.equal(before, after) else 3)
+_, status = os.waitpid(pid, 0)
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_forked_child_computes_the_same_bits_without_hanging(cpu):
+    """OpenMP's state in a forked child names the parent's threads (torch's own parallel
+    ops hang there); the kernels run on the child's one thread instead."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _FORK_SCRIPT], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True, start_new_session=True,
+    )  # fmt: skip
+    try:
+        _, err = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the child and its forked child
+        proc.communicate()
+        pytest.fail("the forked child hung in its first call")
+    assert proc.returncode == 0, err[-2000:]
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs /proc/self/maps")
+def test_the_kernels_share_torchs_openmp_runtime(cpu):
+    """One OpenMP runtime in the process: the kernels' libgomp is the one torch loaded (a
+    second runtime would keep a second set of threads spinning on the same cores)."""
+    if "-serial-" in Path(cpu._lib._name).name:
+        pytest.skip("this compiler built the kernels without OpenMP")
+    maps = Path("/proc/self/maps").read_text().splitlines()
+    runtimes = {line.split()[-1] for line in maps if "libgomp" in line.split()[-1]}
+    assert len(runtimes) == 1, runtimes
 
 
 # --- random partitions ---

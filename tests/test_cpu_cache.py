@@ -137,3 +137,35 @@ def test_auto_says_once_why_it_falls_back_to_the_reference_backend(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # only once
         backends.get_backend("auto", torch.device("cpu"))
+
+
+def test_a_compiler_without_openmp_builds_single_threaded_kernels_once(
+    tmp_path, monkeypatch, caplog
+):
+    """A compiler that rejects the OpenMP flag still gives kernels (on the calling thread
+    only, the same bits), says so, and is not asked again while that library is cached."""
+    from exactlogp.backends.base import ShardPlan
+    from exactlogp.backends.cpu import CpuBackend
+    from exactlogp.testing import llm_like_logits
+
+    cache = tmp_path / "cache"
+    cache.mkdir(mode=0o700)
+    monkeypatch.setenv("EXACTLOGP_CACHE_DIR", str(cache))
+    monkeypatch.setattr(cpu_build, "OPENMP_FLAGS", ("-fexactlogp-no-such-openmp-flag",))
+    with caplog.at_level("WARNING", logger=cpu_build.__name__):
+        path = cpu_build.build()
+    assert "-serial-" in path.name and cpu_build.verified(path)
+    assert "cannot build with OpenMP" in caplog.text
+    monkeypatch.setattr(cpu_build, "_compile", lambda *a, **k: pytest.fail("compiled again"))
+    assert cpu_build.build() == path
+
+    serial = CpuBackend(num_threads=2)
+    assert "-serial-" in serial._lib._name
+    x, target = llm_like_logits(16, 3000, torch.bfloat16, seed=4)
+    plan = ShardPlan(0, None, -100, True)
+    ref = backends.get_backend("reference", torch.device("cpu"))
+    got, want = serial.forward_unsharded(x, target, 1.0, None, plan), ref.forward_unsharded(
+        x, target, 1.0, None, plan
+    )
+    assert torch.equal(got[1], want[1])  # the row record
+    assert torch.equal(got[2].logprobs.view(torch.int32), want[2].logprobs.view(torch.int32))

@@ -67,6 +67,10 @@ ISA_FLAGS = {
     "avx2": ("-mavx2", "-mf16c"),
     "avx512": ("-mavx2", "-mf16c", "-mavx512f", "-mavx512dq", "-mavx512bw", "-mavx512vl"),
 }
+# The kernels run on torch's OpenMP threads: -fopenmp links libgomp by its soname, which
+# resolves to the copy torch has loaded. A compiler without OpenMP builds them without
+# (then every call runs on the calling thread; the same bits).
+OPENMP_FLAGS = ("-fopenmp",)
 # the CPU flags (/proc/cpuinfo) each x86-64 build needs, best first
 ISA_CPU_FLAGS = {
     "avx512": ("avx2", "f16c", "avx512f", "avx512dq", "avx512bw", "avx512vl"),
@@ -242,13 +246,14 @@ def _source() -> str:
     return resources.files(__package__).joinpath("csrc", SOURCE_NAME).read_text()
 
 
-def _flags(isa: str) -> tuple[str, ...]:
-    return (*CFLAGS, *ISA_FLAGS[isa])
+def _flags(isa: str, openmp: bool = True) -> tuple[str, ...]:
+    return (*CFLAGS, *(OPENMP_FLAGS if openmp else ()), *ISA_FLAGS[isa])
 
 
-def _library_name(source: str, header: str, isa: str) -> str:
-    key = "\0".join((source, header, " ".join(_flags(isa)), platform.machine()))
-    return f"exactlogp_cpu-{isa}-{hashlib.sha256(key.encode()).hexdigest()[:20]}.so"
+def _library_name(source: str, header: str, isa: str, openmp: bool = True) -> str:
+    key = "\0".join((source, header, " ".join(_flags(isa, openmp)), platform.machine()))
+    kind = isa if openmp else f"{isa}-serial"
+    return f"exactlogp_cpu-{kind}-{hashlib.sha256(key.encode()).hexdigest()[:20]}.so"
 
 
 def _sidecar(library: Path) -> Path:
@@ -287,14 +292,16 @@ def _write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def _compile(compiler: str, source: str, header: str, isa: str, target: Path) -> None:
+def _compile(
+    compiler: str, source: str, header: str, isa: str, target: Path, openmp: bool = True
+) -> None:
     """Compile into a private directory, rename into place (atomic, so processes building
     at the same time never load a half-written library), then record its SHA-256."""
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=".build-") as tmp:
         (Path(tmp) / SOURCE_NAME).write_text(source)
         (Path(tmp) / HEADER_NAME).write_text(header)
         out = Path(tmp) / target.name
-        cmd = [compiler, *_flags(isa), "-o", str(out), str(Path(tmp) / SOURCE_NAME)]
+        cmd = [compiler, *_flags(isa, openmp), "-o", str(out), str(Path(tmp) / SOURCE_NAME)]
         try:
             run = subprocess.run(cmd, capture_output=True, text=True, timeout=COMPILE_TIMEOUT_S)
         except (OSError, subprocess.TimeoutExpired) as exc:
@@ -334,14 +341,31 @@ def build(isa: str | None = None) -> Path:
     source, header = _source(), constants_header()
     directory = _private_cache_dir()
     target = directory / _library_name(source, header, isa)
-    if not verified(target):
-        with _build_lock(directory):
-            if not verified(target):  # another process may have built it meanwhile
-                if os.path.lexists(target):
-                    log.warning("exactlogp: %s fails its SHA-256 check; rebuilding it", target)
-                log.info("compiling the exactlogp CPU kernels (%s, once) into %s", isa, target)
-                _compile(find_compiler(), source, header, isa, target)
-    return target
+    serial = directory / _library_name(source, header, isa, openmp=False)
+    if verified(target):
+        return target
+    with _build_lock(directory):
+        if verified(target):  # another process may have built it meanwhile
+            return target
+        if verified(serial):  # this compiler could not build with OpenMP before
+            return serial
+        if os.path.lexists(target):
+            log.warning("exactlogp: %s fails its SHA-256 check; rebuilding it", target)
+        log.info("compiling the exactlogp CPU kernels (%s, once) into %s", isa, target)
+        compiler = find_compiler()
+        try:
+            _compile(compiler, source, header, isa, target)
+            return target
+        except CpuCompileError as exc:
+            try:
+                _compile(compiler, source, header, isa, serial, openmp=False)
+            except CpuCompileError:
+                raise exc from None
+            log.warning(
+                "exactlogp: %s cannot build with OpenMP (%s); the CPU kernels run on the "
+                "calling thread only (the same bits, slower)", compiler, str(exc)[-300:]
+            )
+            return serial
 
 
 # --- 3. load ---

@@ -21,22 +21,23 @@
  * the data-movement primitives below (widen, narrow, floor, table lookup, 16- and 8-bit
  * loads) have an ISA-specific form, and they move bits or floor.
  *
- * Rows are spread over a persistent pool of threads; a row's result never depends on the
- * thread that ran it. Long rows of 16-bit logits (and fp32 rows whose values are all
+ * Rows are spread over torch's OpenMP threads; a row's result never depends on the thread
+ * that ran it. Long rows of 16-bit logits (and fp32 rows whose values are all
  * exactly bf16) take the value-table path (see "value tables" below): the contract is
  * evaluated once per distinct value of the row instead of once per column. When the shard
  * is the whole vocabulary (no TP group), `elp_forward` runs stages 2-7 of each row in one
  * go: the row is read once, and M is the largest of its distinct values.
  */
 #include <pthread.h>
-#include <sched.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
-#include <time.h>
 #if defined(__AVX2__)
 #include <immintrin.h>
+#endif
+#if defined(_OPENMP)
+#include <omp.h>
 #endif
 
 #include "exactlogp_constants.h"
@@ -634,16 +635,25 @@ ELP_INLINE void write_record(int64_t *out, const row_view *v, const uint64_t tot
     }
 }
 
-/* The limb sums and non-finite count of a row, column by column. */
+/* The limb sums and non-finite count of a row, column by column. `ahead`, when not NULL,
+   is the row this thread takes next, as many bytes long as this one: it is prefetched
+   into the L2 cache alongside, so that the next row's max pass reads it from there and
+   not from memory (this loop is compute-bound; the max pass would be memory-bound). A
+   prefetch is a hint: it changes no result. */
 ELP_INLINE void direct_sums(const row_view *v, float row_max, uint64_t total[4],
-                            int64_t *nonfinite, const int dtype, const int entropy) {
+                            int64_t *nonfinite, const char *ahead, const int dtype,
+                            const int entropy) {
     vd m = splatd((double)row_max);
     row_sums sums;
     memset(&sums, 0, sizeof sums);
     int64_t steps = 0;
+    const int64_t step_bytes = LANES * elem_size(dtype);
     for (int64_t j = 0; j < v->n_real; j += LANES) {
         vf y[V8];
         vi valid[V8];
+        if (ahead)
+            for (int64_t b = 0; b < step_bytes; b += 64)
+                __builtin_prefetch(ahead + j * elem_size(dtype) + b, 0, 2);
         load_step(v, j, v->n_real, dtype, y, valid);
         partials_step(y, valid, m, &sums, entropy);
         if (++steps == FLUSH_STEPS) {
@@ -741,9 +751,9 @@ ELP_INLINE void grad_row_direct(const elp_shard *s, const elp_grad_stats *st, ch
    The element functions are the ones of the direct loops, so the bits are too. */
 enum { N_VALUES = 1 << 16, FIX_CAP = 4096 };
 
-/* Per-thread scratch, kept by the thread pool. `slot` is all-zero between rows: partials
-   keeps counts in it, grad its table (FILLED | gradient bits, or PENDING while a value
-   waits for its batch). */
+/* Per-thread scratch, kept between calls (see "threads"). `slot` is all-zero between
+   rows: partials keeps counts in it, grad its table (FILLED | gradient bits, or PENDING
+   while a value waits for its batch). */
 typedef struct {
     uint32_t slot[N_VALUES + LANES]; /* the tail stays zero: a last batch reads past n */
     uint16_t done[N_VALUES];         /* partials: the row's distinct values; grad: the
@@ -941,7 +951,8 @@ ELP_INLINE void table_sums(const row_view *v, const uint16_t *keys, const int st
    value table where it applies, else column by column. */
 ELP_INLINE void row_sums_of(const elp_shard *s, const row_view *v, const int has_max,
                             float *row_max, value_scratch *sc, uint64_t total[4],
-                            int64_t *nonfinite, const int dtype, const int entropy) {
+                            int64_t *nonfinite, const char *ahead, const int dtype,
+                            const int entropy) {
     const uint16_t *keys = table_keys(s, v, sc, dtype);
     if (keys) {
         const int vdtype = dtype == ELP_F32 ? ELP_BF16 : dtype, stride = dtype == ELP_F32 ? 2 : 1;
@@ -949,7 +960,7 @@ ELP_INLINE void row_sums_of(const elp_shard *s, const row_view *v, const int has
         return;
     }
     if (!has_max) *row_max = view_max(v, dtype);
-    direct_sums(v, *row_max, total, nonfinite, dtype, entropy);
+    direct_sums(v, *row_max, total, nonfinite, ahead, dtype, entropy);
 }
 
 /* slot[vals[i]] = FILLED | the gradient bits of a non-target column holding vals[i]. */
@@ -1166,7 +1177,10 @@ ELP_INLINE int bad_temperature(const elp_shard *s, int64_t r) {
 #define ELP_VARIANTS(X) X(0) X(1) X(2) X(3) X(4) X(5)
 
 typedef struct elp_job elp_job;
-typedef void (*rows_fn)(const elp_job *job, int64_t r0, int64_t r1, value_scratch *scratch);
+/* Rows [r0, r1) of a pass; `after` is the first row this thread takes after them (-1: none
+   or not known), so that a pass may prefetch it. */
+typedef void (*rows_fn)(const elp_job *job, int64_t r0, int64_t r1, int64_t after,
+                        value_scratch *scratch);
 
 struct elp_job {
     const elp_shard *s;
@@ -1177,44 +1191,50 @@ struct elp_job {
     int variant;
     int wants_scratch; /* each thread gets its value_scratch (NULL if it cannot): the rows
                           may take the value-table path */
+    int lookahead;     /* the pass prefetches the row after: claim it early */
     rows_fn fn;
     int64_t grab, next; /* rows handed out `grab` at a time; next taken atomically */
+    int64_t threads;
 };
 
-ELP_INLINE void row_max_with(const elp_job *job, int64_t r, value_scratch *scratch,
+ELP_INLINE void row_max_with(const elp_job *job, int64_t r, int64_t next, value_scratch *scratch,
                              const int dtype, const int entropy) {
-    (void)scratch, (void)entropy; /* not a variant of this pass */
+    (void)next, (void)scratch, (void)entropy; /* not a variant of this pass */
     row_view v = row_of(job->s, r, dtype);
     ((float *)job->out)[r] = view_max(&v, dtype);
 }
 
-ELP_INLINE void partials_with(const elp_job *job, int64_t r, value_scratch *scratch,
+ELP_INLINE void partials_with(const elp_job *job, int64_t r, int64_t next, value_scratch *scratch,
                               const int dtype, const int entropy) {
+    (void)next; /* one read of the row, streamed: no prefetch needed */
     const elp_shard *s = job->s;
     row_view v = row_of(s, r, dtype);
     float m = job->row_max[r];
     uint64_t total[4];
     int64_t nonfinite;
-    row_sums_of(s, &v, 1, &m, scratch, total, &nonfinite, dtype, entropy);
+    row_sums_of(s, &v, 1, &m, scratch, total, &nonfinite, NULL, dtype, entropy);
     write_record((int64_t *)job->out + r * ELP_NUM_COLS, &v, total, nonfinite,
                  owned_column(s, r), dtype);
 }
 
-/* Stages 2-7 of row r of a shard that is the whole vocabulary. */
-ELP_INLINE void forward_with(const elp_job *job, int64_t r, value_scratch *scratch,
+/* Stages 2-7 of row r of a shard that is the whole vocabulary; `next` (or -1) is the row
+   this thread takes next: the direct loops prefetch it. */
+ELP_INLINE void forward_with(const elp_job *job, int64_t r, int64_t next, value_scratch *scratch,
                              const int dtype, const int entropy) {
     const elp_shard *s = job->s;
     const elp_rows *o = job->rows;
     row_view v = row_of(s, r, dtype);
+    const char *ahead = next >= 0 ? row_of(s, next, dtype).x : NULL;
     uint64_t total[4];
     int64_t nonfinite;
-    row_sums_of(s, &v, 0, &o->row_max[r], scratch, total, &nonfinite, dtype, entropy);
+    row_sums_of(s, &v, 0, &o->row_max[r], scratch, total, &nonfinite, ahead, dtype, entropy);
     write_record(o->record + r * ELP_NUM_COLS, &v, total, nonfinite, owned_column(s, r), dtype);
     finalize_row(r, s->target[r], s->vocab_size, s->ignore_index, bad_temperature(s, r), 0, o);
 }
 
-ELP_INLINE void grad_with(const elp_job *job, int64_t r, value_scratch *scratch,
+ELP_INLINE void grad_with(const elp_job *job, int64_t r, int64_t next, value_scratch *scratch,
                           const int dtype, const int entropy) {
+    (void)next; /* one read of the row, streamed */
     const elp_shard *s = job->s;
     char *out = (char *)job->out + r * s->n_cols * elem_size(dtype);
     if (job->stats->row_nan[r])
@@ -1226,16 +1246,17 @@ ELP_INLINE void grad_with(const elp_job *job, int64_t r, value_scratch *scratch,
         grad_row_direct(s, job->stats, out, r, dtype, entropy);
 }
 
-#define ELP_CASE(fn, v)                                                              \
-    case v:                                                                          \
-        for (int64_t r = r0; r < r1; ++r) fn(job, r, scratch, (v) >> 1, (v) & 1);    \
+#define ELP_CASE(fn, v)                                                                    \
+    case v:                                                                                \
+        for (int64_t r = r0; r < r1; ++r)                                                  \
+            fn(job, r, r + 1 < r1 ? r + 1 : after, scratch, (v) >> 1, (v) & 1);            \
         break;
 #define ELP_CASE_row_max(v) ELP_CASE(row_max_with, v)
 #define ELP_CASE_partials(v) ELP_CASE(partials_with, v)
 #define ELP_CASE_forward(v) ELP_CASE(forward_with, v)
 #define ELP_CASE_grad(v) ELP_CASE(grad_with, v)
 #define ELP_ROWS(pass, variants)                                                             \
-    static void pass##_rows(const elp_job *job, int64_t r0, int64_t r1,                     \
+    static void pass##_rows(const elp_job *job, int64_t r0, int64_t r1, int64_t after,      \
                             value_scratch *scratch) {                                       \
         switch (job->variant) { variants(ELP_CASE_##pass) }                                 \
     }
@@ -1248,125 +1269,50 @@ ELP_ROWS(grad, ELP_VARIANTS)
 
 /* ------------------------------------------------------------------ threads */
 
-/* A pool of helper threads, started on first use and kept, each with its value_scratch
-   (kept too, so that no call pays for mapping and faulting in fresh scratch), so that a
-   small call does not pay for starting threads either. One call at a time uses the pool;
-   a call from another thread meanwhile runs on its own thread alone (the same bits). */
+/* Rows are spread over torch's own OpenMP threads: the library is built with -fopenmp and
+   links libgomp by its soname, which the dynamic linker resolves to the copy torch has
+   already loaded, so both share one pool of threads (a second pool would compete with
+   torch's spinning threads for the same cores). Each thread keeps a value_scratch between
+   calls (no call pays for mapping and faulting in fresh scratch). One call at a time uses
+   them; a call from another thread meanwhile runs on its own thread alone (the same
+   bits). Built without OpenMP, every call runs on the calling thread. */
 enum { MAX_THREADS = 256 };
 
 typedef void (*region_fn)(elp_job *job, value_scratch **scratch);
 
 static struct {
-    pthread_mutex_t busy; /* held by the call that uses the pool */
-    pthread_mutex_t lock; /* guards the fields below */
-    pthread_cond_t start, finish;
-    int helpers;          /* helper threads running: ids 1 .. helpers */
-    int active;           /* this region's helpers: ids 1 .. active */
-    int pending;          /* active helpers still in the region */
-    uint64_t generation;  /* one per region */
-    region_fn fn;
-    elp_job *job;
-    uint64_t born[MAX_THREADS]; /* the generation when each helper was started */
+    pthread_mutex_t busy; /* held by the call that uses the scratch below */
+    int forked;           /* this is a forked child: if the parent (or torch in it) ran an
+                             OpenMP region, the child's OpenMP state names the parent's
+                             threads and a region would wait for them forever */
     value_scratch *scratch[MAX_THREADS];
-} pool = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER,
-          PTHREAD_COND_INITIALIZER};
+} pool = {PTHREAD_MUTEX_INITIALIZER, 0, {NULL}};
 
-static uint64_t now_ns(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (uint64_t)t.tv_sec * 1000000000u + (uint64_t)t.tv_nsec;
-}
-
-/* A spinning thread yields its core at once when another thread is waiting for it (a
-   machine with more busy threads than cores would otherwise lose whole time slices). */
-ELP_INLINE void cpu_relax(void) { sched_yield(); }
-
-/* Pool threads spin up to SPIN_NS before they sleep on a condition variable: a call that
-   comes right after another (the next decode step, the next pass) then starts without a
-   sleep and wake-up, which costs tens of microseconds on a VM. */
-enum { SPIN_NS = 100000 };
-
-static void spin_while_generation_is(uint64_t seen) {
-    uint64_t start = now_ns();
-    while (__atomic_load_n(&pool.generation, __ATOMIC_ACQUIRE) == seen) {
-        cpu_relax();
-        if (now_ns() - start > SPIN_NS) return;
-    }
-}
-
-static void spin_while_pending(void) {
-    uint64_t start = now_ns();
-    while (__atomic_load_n(&pool.pending, __ATOMIC_ACQUIRE) > 0) {
-        cpu_relax();
-        if (now_ns() - start > SPIN_NS) return;
-    }
-}
-
-static void *helper(void *arg) {
-    int id = (int)(intptr_t)arg;
-    pthread_mutex_lock(&pool.lock);
-    uint64_t seen = pool.born[id]; /* a region may have begun before this thread ran */
-    for (;;) {
-        if (pool.generation == seen) {
-            pthread_mutex_unlock(&pool.lock);
-            spin_while_generation_is(seen);
-            pthread_mutex_lock(&pool.lock);
-        }
-        while (pool.generation == seen) pthread_cond_wait(&pool.start, &pool.lock);
-        seen = pool.generation;
-        if (id > pool.active) continue;
-        region_fn fn = pool.fn;
-        elp_job *job = pool.job;
-        pthread_mutex_unlock(&pool.lock);
-        fn(job, &pool.scratch[id]);
-        pthread_mutex_lock(&pool.lock);
-        if (__atomic_sub_fetch(&pool.pending, 1, __ATOMIC_RELEASE) == 0)
-            pthread_cond_signal(&pool.finish);
-    }
-    return NULL;
-}
-
-/* In a child after fork() the helpers do not exist: start afresh (their scratch stays). */
 static void pool_after_fork(void) {
     pthread_mutex_init(&pool.busy, NULL);
-    pthread_mutex_init(&pool.lock, NULL);
-    pthread_cond_init(&pool.start, NULL);
-    pthread_cond_init(&pool.finish, NULL);
-    pool.helpers = pool.active = pool.pending = 0;
+    pool.forked = 1;
 }
 
-static pthread_once_t pool_once = PTHREAD_ONCE_INIT;
-static void pool_init(void) { pthread_atfork(NULL, NULL, pool_after_fork); }
+/* registered when the library is loaded, so that every later fork is seen */
+__attribute__((constructor)) static void pool_init(void) {
+    pthread_atfork(NULL, NULL, pool_after_fork);
+}
 
-/* Run fn on `workers` threads (the caller is one of them); each gets its own scratch slot.
-   Called with pool.busy held. */
+/* Run fn on `workers` threads (the caller is one of them), each with its own scratch slot.
+   Called with pool.busy held. A forked child runs on one thread. */
 static void pool_run(region_fn fn, elp_job *job, int workers) {
-    pthread_mutex_lock(&pool.lock);
-    while (pool.helpers < workers - 1) {
-        pthread_t tid;
-        pthread_attr_t attr;
-        pthread_attr_init(&attr);
-        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
-        pool.born[pool.helpers + 1] = pool.generation;
-        int ok = pthread_create(&tid, &attr, helper, (void *)(intptr_t)(pool.helpers + 1)) == 0;
-        pthread_attr_destroy(&attr);
-        if (!ok) break; /* fewer threads: the same bits */
-        ++pool.helpers;
+#if defined(_OPENMP)
+    if (workers > 1 && !pool.forked) {
+#pragma omp parallel num_threads(workers)
+        {
+            int id = omp_get_thread_num();
+            if (id < MAX_THREADS) fn(job, &pool.scratch[id]);
+        }
+        return;
     }
-    int active = min64(workers - 1, pool.helpers);
-    if (active > 0) {
-        pool.fn = fn, pool.job = job, pool.active = pool.pending = active;
-        __atomic_store_n(&pool.generation, pool.generation + 1, __ATOMIC_RELEASE);
-        pthread_cond_broadcast(&pool.start);
-    }
-    pthread_mutex_unlock(&pool.lock);
+#endif
+    (void)workers;
     fn(job, &pool.scratch[0]);
-    if (active > 0) {
-        spin_while_pending();
-        pthread_mutex_lock(&pool.lock);
-        while (pool.pending > 0) pthread_cond_wait(&pool.finish, &pool.lock);
-        pthread_mutex_unlock(&pool.lock);
-    }
 }
 
 /* A thread's part of a pass: rows, a few at a time, until none are left. */
@@ -1378,11 +1324,17 @@ static void take_rows(elp_job *job, value_scratch **scratch) {
         if (!*scratch) *scratch = calloc(1, sizeof(value_scratch));
         sc = *scratch;
     }
-    int64_t n = job->s->n_rows;
-    for (;;) {
-        int64_t r0 = __atomic_fetch_add(&job->next, job->grab, __ATOMIC_RELAXED);
-        if (r0 >= n) break;
-        job->fn(job, r0, min64(r0 + job->grab, n), sc);
+    /* With `lookahead` and rows enough for every thread several times over, a thread
+       claims its next rows when it starts on the current ones, so that the pass knows the
+       row that comes after them (to prefetch it); the rows still go to whichever thread
+       is free, one claim ahead. */
+    int64_t n = job->s->n_rows, grab = job->grab;
+    int ahead = job->lookahead && n >= 4 * job->threads * grab;
+    int64_t r0 = __atomic_fetch_add(&job->next, grab, __ATOMIC_RELAXED);
+    while (r0 < n) {
+        int64_t after = ahead ? __atomic_fetch_add(&job->next, grab, __ATOMIC_RELAXED) : -1;
+        job->fn(job, r0, min64(r0 + grab, n), after < n ? after : -1, sc);
+        r0 = ahead ? after : __atomic_fetch_add(&job->next, grab, __ATOMIC_RELAXED);
     }
 }
 
@@ -1400,7 +1352,7 @@ static void run_rows(rows_fn fn, elp_job *job) {
     job->fn = fn;
     job->grab = grab < 1 ? 1 : grab;
     job->next = 0;
-    pthread_once(&pool_once, pool_init);
+    job->threads = threads;
     if (pthread_mutex_trylock(&pool.busy) == 0) {
         pool_run(take_rows, job, (int)threads);
         pthread_mutex_unlock(&pool.busy);
@@ -1446,7 +1398,7 @@ int elp_partials(const elp_shard *s, const float *row_max, int32_t with_entropy,
 int elp_forward(const elp_shard *s, int32_t with_entropy, const elp_rows *rows) {
     if (bad_shard(s) || (s->n_rows > 0 && !s->target)) return -1;
     elp_job job = {.s = s, .rows = rows, .variant = variant_of(s, with_entropy),
-                   .wants_scratch = wants_tables(s)};
+                   .wants_scratch = wants_tables(s), .lookahead = 1};
     run_rows(forward_rows, &job);
     return 0;
 }
