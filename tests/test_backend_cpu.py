@@ -360,6 +360,36 @@ def test_value_counts_multiply_exactly(cpu, ref):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_value_counts_at_and_past_the_uint16_wrap(cpu, ref, dtype):
+    """The tables count in uint16 first; a value in 65536 columns (its count wraps to 0),
+    in every column, in 65535 columns, and 65536 kept columns of a value that fills more:
+    every row is counted again in uint32 where it must be, and matches the reference (fp32
+    rows here hold bf16 values, so they take the tables too)."""
+    width = 70000
+    gen = torch.Generator().manual_seed(8)
+    noise = torch.randn(4, width, generator=gen).round() - 3.0
+    x = noise.clone()
+    x[0, :65536] = 1.5
+    x[1, :] = -0.25
+    x[2, :65535] = 0.75
+    x[3, :] = 2.0
+    x = x.to(dtype)
+    keep = torch.ones(4, width, dtype=torch.bool)
+    keep[3, 65536:] = False  # row 3: its value kept in exactly 65536 columns
+    target = torch.tensor([1, 2, 3, 4])
+    plan = ShardPlan(0, None, -100, True)
+    for mask in (None, keep):
+        _assert_passes_equal(_passes(cpu, x, target, 1.0, mask, plan),
+                             _passes(ref, x, target, 1.0, mask, plan), f"{dtype} wrap")  # fmt: skip
+        fused = cpu.forward_unsharded(x, target, 1.0, mask, plan)
+        expected = ref.forward_unsharded(x, target, 1.0, mask, plan)
+        assert_bitwise_equal(fused[0], expected[0], "fused row max")
+        assert_bitwise_equal(fused[1], expected[1], "fused record")
+        for field in contract.Finalized._fields:
+            assert_bitwise_equal(getattr(fused[2], field), getattr(expected[2], field), field)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_value_tables_on_rows_of_one_sign_one_value_and_extreme_magnitudes(cpu, ref, dtype):
     """Rows whose values fill few, far-apart slots of the value table: one sign only, one
     value, +-0 only, a narrow band, both ends of the magnitudes (subnormal and +-inf, NaN),
