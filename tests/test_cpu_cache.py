@@ -164,8 +164,9 @@ def test_a_compiler_without_openmp_builds_single_threaded_kernels_once(
     x, target = llm_like_logits(16, 3000, torch.bfloat16, seed=4)
     plan = ShardPlan(0, None, -100, True)
     ref = backends.get_backend("reference", torch.device("cpu"))
-    got, want = serial.forward_unsharded(x, target, 1.0, None, plan), ref.forward_unsharded(
-        x, target, 1.0, None, plan
+    got, want = (
+        serial.forward_unsharded(x, target, 1.0, None, plan),
+        ref.forward_unsharded(x, target, 1.0, None, plan),
     )
     assert torch.equal(got[1], want[1])  # the row record
     assert torch.equal(got[2].logprobs.view(torch.int32), want[2].logprobs.view(torch.int32))

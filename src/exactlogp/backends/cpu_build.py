@@ -18,7 +18,11 @@ The numeric constants are not written in the C source: `constants_header()` gene
 them from contract.py (C99 hex literals, exact), so there is one definition of each.
 The instruction set is picked for this CPU ("avx512" or "avx2" on x86-64 CPUs that have
 them, else "baseline"; $EXACTLOGP_CPU_ISA overrides) and is part of the cache key, so a
-cache shared between machines never hands one a library it cannot run.
+cache shared between machines never hands one a library it cannot run. The kernels are
+built with OpenMP and run on torch's own OpenMP threads (libgomp is linked by its soname,
+which resolves to the copy torch has loaded); a compiler that cannot build with OpenMP
+gives a "-serial" library instead, whose kernels run on the calling thread, and is not
+asked again while that library is cached.
 `python -m exactlogp.backends.cpu_build` builds ahead of time (`make setup` does).
 """
 
@@ -363,7 +367,9 @@ def build(isa: str | None = None) -> Path:
                 raise exc from None
             log.warning(
                 "exactlogp: %s cannot build with OpenMP (%s); the CPU kernels run on the "
-                "calling thread only (the same bits, slower)", compiler, str(exc)[-300:]
+                "calling thread only (the same bits, slower)",
+                compiler,
+                str(exc)[-300:],
             )
             return serial
 

@@ -436,7 +436,7 @@ class GoalRow:
     goal: str  # what the row is held to (shown in the table)
     logits: str = "llm"  # "llm" (llm_like_logits) or "student_t" (heavy_tailed_logits)
     temperature: float = 1.0
-    repeats: int = 5
+    repeats: int = 11
 
     def candidates(self) -> dict[str, str]:
         """{role: candidate name}: ours, ours with entropy, eager and compiled torch."""
