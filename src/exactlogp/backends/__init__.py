@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import os
 import warnings
 
 import torch
@@ -19,6 +20,28 @@ _REGISTRY: dict[str, tuple[str, str]] = {
 # device; Triton is offered only for CUDA (on CPU it would run in its slow interpreter).
 _AUTO_ORDER = (("triton", ("cuda",)), ("cpu", ("cpu",)), ("reference", None))
 _cache: dict[str, Backend] = {}  # by name, and "auto:<device type>"
+
+
+# A forked child must not start an OpenMP region: its OpenMP state names the parent's
+# threads, which the child does not have, and a region would wait for them forever
+# (torch's own parallel ops do). Registered when exactlogp is imported, so every child
+# forked after that knows; the CPU kernels then run on the calling thread (the same bits).
+_forked = False
+
+
+def _mark_forked() -> None:
+    global _forked
+    _forked = True
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_mark_forked)
+
+
+def in_forked_child() -> bool:
+    """True in a process forked (os.fork, multiprocessing's "fork") after exactlogp was
+    imported."""
+    return _forked
 
 
 def backend_names() -> tuple[str, ...]:

@@ -22,7 +22,7 @@ import torch
 
 from .. import contract
 from ..contract import GradStats
-from . import cpu_build
+from . import cpu_build, in_forked_child
 from .base import Backend, ShardPlan, num_rows
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -188,6 +188,8 @@ class CpuBackend(Backend):
         target = None if target is None else _i64(target)
         threads = self.num_threads or torch.get_num_threads()
         threads = max(1, min(threads, n_rows * n_cols // MIN_ELEMENTS_PER_THREAD))
+        if in_forked_child():  # no OpenMP region there (see backends.in_forked_child)
+            threads = 1
         three = x.dim() == 3  # (B, T, V): row r is x[r // T, r % T]
         shard = _Shard(
             x.data_ptr(), x.stride(-2), n_rows, n_cols, n_real,

@@ -348,6 +348,8 @@ def build(isa: str | None = None) -> Path:
     serial = directory / _library_name(source, header, isa, openmp=False)
     if verified(target):
         return target
+    if verified(serial):  # this compiler could not build with OpenMP before
+        return serial
     with _build_lock(directory):
         if verified(target):  # another process may have built it meanwhile
             return target

@@ -777,6 +777,9 @@ ELP_INLINE row_view values_view(const row_view *v, const uint16_t *vals, int64_t
    counted. Counted first in uint16 (half the cache the counts take, which makes counting
    measurably faster), where a count wraps at 65536; the sum of the listed counts then
    falls short of the columns counted, and the row is counted again in uint32. */
+/* uint16 counts live in the uint32 slots' memory: accessed through a type that may alias */
+typedef uint16_t __attribute__((may_alias)) u16_alias;
+
 #define ELP_COUNT_KEYS(name, count_type)                                                    \
     ELP_INLINE int64_t name(const uint16_t *keys, const int stride, const uint8_t *keep,    \
                             int64_t n, count_type *count) {                                 \
@@ -798,7 +801,7 @@ ELP_INLINE row_view values_view(const row_view *v, const uint16_t *vals, int64_t
         for (; j < n; ++j) ++count[keys[j * stride]];                                        \
         return n;                                                                            \
     }
-ELP_COUNT_KEYS(count_keys16, uint16_t)
+ELP_COUNT_KEYS(count_keys16, u16_alias)
 ELP_COUNT_KEYS(count_keys32, uint32_t)
 
 /* Compact the counts: afterwards count[0, n) holds the non-zero counts in value order,
@@ -857,7 +860,7 @@ static int64_t list_values(uint32_t *count, uint16_t *vals) {
 /* list_values of uint16 counts: afterwards count16 is all-zero again, out[0, n) holds the
    non-zero counts in value order (as uint32) and vals[0, n) their values; returns n. */
 #if defined(__AVX512BW__)
-static int64_t list_values16(uint16_t *count16, uint16_t *vals, uint32_t *out) {
+static int64_t list_values16(u16_alias *count16, uint16_t *vals, uint32_t *out) {
     int64_t n = 0;
     const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     for (int64_t b = 0; b < N_VALUES; b += 32) {
@@ -865,10 +868,11 @@ static int64_t list_values16(uint16_t *count16, uint16_t *vals, uint32_t *out) {
         __mmask32 m = _mm512_test_epi16_mask(c, c);
         if (!m) continue;
         _mm512_storeu_si512(count16 + b, _mm512_setzero_si512());
+        const __m256i halves[2] = {_mm512_castsi512_si256(c), _mm512_extracti64x4_epi64(c, 1)};
         for (int h = 0; h < 2; ++h) {
             __mmask16 mh = (__mmask16)(m >> (16 * h));
             if (!mh) continue;
-            __m512i c32 = _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(c, h));
+            __m512i c32 = _mm512_cvtepu16_epi32(halves[h]);
             __m512i idx = _mm512_add_epi32(lanes, _mm512_set1_epi32((int)b + 16 * h));
             /* n + 16 <= b + 16 h + 16 <= N_VALUES; lanes past the non-zero ones store 0 */
             _mm512_storeu_si512(out + n, _mm512_maskz_compress_epi32(mh, c32));
@@ -880,7 +884,7 @@ static int64_t list_values16(uint16_t *count16, uint16_t *vals, uint32_t *out) {
     return n;
 }
 #elif defined(__AVX2__)
-static int64_t list_values16(uint16_t *count16, uint16_t *vals, uint32_t *out) {
+static int64_t list_values16(u16_alias *count16, uint16_t *vals, uint32_t *out) {
     int64_t n = 0;
     const __m256i zero = _mm256_setzero_si256();
     for (int64_t b = 0; b < N_VALUES; b += 16) {
@@ -900,10 +904,10 @@ static int64_t list_values16(uint16_t *count16, uint16_t *vals, uint32_t *out) {
     return n;
 }
 #else
-static int64_t list_values16(uint16_t *count16, uint16_t *vals, uint32_t *out) {
+static int64_t list_values16(u16_alias *count16, uint16_t *vals, uint32_t *out) {
     int64_t n = 0;
     for (int64_t i = 0; i < N_VALUES; ++i) {
-        uint16_t c = count16[i];
+        u16_alias c = count16[i];
         count16[i] = 0;
         out[n] = c; /* a zero written here is overwritten by the next count */
         vals[n] = (uint16_t)i;
@@ -994,7 +998,7 @@ ELP_INLINE void table_sums(const row_view *v, const uint16_t *keys, const int st
                            const int has_max, float *row_max, value_scratch *sc,
                            uint64_t total[4], int64_t *nonfinite, const int vdtype,
                            const int entropy) {
-    uint16_t *count16 = (uint16_t *)sc->slot; /* all-zero, as the slots */
+    u16_alias *count16 = (u16_alias *)sc->slot; /* all-zero, as the slots */
     uint32_t *count = sc->counts;
     int64_t kept = stride == 1 ? count_keys16(keys, 1, v->keep, v->n_real, count16)
                                : count_keys16(keys, 2, v->keep, v->n_real, count16);
@@ -1366,15 +1370,20 @@ typedef void (*region_fn)(elp_job *job, value_scratch **scratch);
 
 static struct {
     pthread_mutex_t busy; /* held by the call that uses the scratch below */
-    int forked;           /* this is a forked child: if the parent (or torch in it) ran an
-                             OpenMP region, the child's OpenMP state names the parent's
-                             threads and a region would wait for them forever */
+    int forked;           /* this is a child forked after the library loaded: if the
+                             parent (or torch in it) ran an OpenMP region, the child's
+                             OpenMP state names the parent's threads and a region would
+                             wait for them forever (a child forked after `import
+                             exactlogp` but before the load gets one thread from cpu.py) */
     value_scratch *scratch[MAX_THREADS];
 } pool = {PTHREAD_MUTEX_INITIALIZER, 0, {NULL}};
 
 static void pool_after_fork(void) {
     pthread_mutex_init(&pool.busy, NULL);
     pool.forked = 1;
+    /* another thread of the parent may have been in the middle of a row: its scratch is
+       not all-zero; the child's calls take fresh scratch (the parent's copies are left) */
+    for (int i = 0; i < MAX_THREADS; ++i) pool.scratch[i] = NULL;
 }
 
 /* registered when the library is loaded, so that every later fork is seen */
