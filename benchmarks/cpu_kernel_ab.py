@@ -1,9 +1,9 @@
 """A/B of two versions of the CPU kernels' C source, interleaved in one process.
 
-Both sources are compiled with the flags `exactlogp.backends.cpu_build` uses for this
-CPU (and its generated constants header) into a private temporary directory, loaded side
-by side, and `forward_unsharded` (the fused forward without a TP group) of each is timed
-on the same logits, alternating A B / B A per round; the medians and their ratio are
+Both sources are compiled as `exactlogp.backends.cpu_build` compiles the library for this
+CPU (its flags and generated constants header) into a private temporary directory, loaded
+side by side, and `forward_unsharded` (the fused forward without a TP group) of each is
+timed on the same logits, alternating A B / B A per round; the medians and their ratio are
 printed, and the two libraries' row records are compared bit for bit (a speed change must
 not move a bit). Use it to measure a kernel change on a shared machine, where two runs one
 after the other differ by more than most changes:
@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import ctypes
 import statistics
-import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -33,11 +32,10 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def _backend(source: Path, directory: Path, name: str, isa: str) -> cpu.CpuBackend:
-    (directory / cpu_build.SOURCE_NAME).write_text(source.read_text())
+    """A CpuBackend whose kernels are `source`, built as cpu_build builds the library."""
     out = directory / f"{name}.so"
-    cmd = [cpu_build.find_compiler(), *cpu_build._flags(isa), "-o", str(out),
-           str(directory / cpu_build.SOURCE_NAME)]  # fmt: skip
-    subprocess.run(cmd, check=True)
+    header = cpu_build.constants_header()
+    cpu_build._compile(cpu_build.find_compiler(), source.read_text(), header, isa, out)
     backend = cpu.CpuBackend()
     backend._lib = cpu._bind(ctypes.CDLL(str(out)))
     return backend
@@ -59,7 +57,6 @@ def main() -> None:
     isa = cpu_build.default_isa()
     with tempfile.TemporaryDirectory(prefix="exactlogp-ab-") as tmp:
         directory = Path(tmp)
-        (directory / cpu_build.HEADER_NAME).write_text(cpu_build.constants_header())
         backends = [_backend(args.a, directory, "a", isa), _backend(args.b, directory, "b", isa)]
         x, target = llm_like_logits(
             args.tokens, args.vocab, DTYPES[args.dtype], 0, targets="uniform"

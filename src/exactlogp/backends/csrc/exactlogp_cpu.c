@@ -773,13 +773,13 @@ ELP_INLINE row_view values_view(const row_view *v, const uint16_t *vals, int64_t
     return w;
 }
 
+/* uint16 counts live in the uint32 slots' memory: accessed through a type that may alias */
+typedef uint16_t __attribute__((may_alias)) u16_alias;
+
 /* ++count[key] for the kept columns j < n, key = keys[j * stride]; returns how many were
    counted. Counted first in uint16 (half the cache the counts take, which makes counting
    measurably faster), where a count wraps at 65536; the sum of the listed counts then
    falls short of the columns counted, and the row is counted again in uint32. */
-/* uint16 counts live in the uint32 slots' memory: accessed through a type that may alias */
-typedef uint16_t __attribute__((may_alias)) u16_alias;
-
 #define ELP_COUNT_KEYS(name, count_type)                                                    \
     ELP_INLINE int64_t name(const uint16_t *keys, const int stride, const uint8_t *keep,    \
                             int64_t n, count_type *count) {                                 \
@@ -1366,8 +1366,6 @@ ELP_ROWS(grad, ELP_VARIANTS)
    bits). Built without OpenMP, every call runs on the calling thread. */
 enum { MAX_THREADS = 256 };
 
-typedef void (*region_fn)(elp_job *job, value_scratch **scratch);
-
 static struct {
     pthread_mutex_t busy; /* held by the call that uses the scratch below */
     int forked;           /* this is a child forked after the library loaded: if the
@@ -1389,23 +1387,6 @@ static void pool_after_fork(void) {
 /* registered when the library is loaded, so that every later fork is seen */
 __attribute__((constructor)) static void pool_init(void) {
     pthread_atfork(NULL, NULL, pool_after_fork);
-}
-
-/* Run fn on `workers` threads (the caller is one of them), each with its own scratch slot.
-   Called with pool.busy held. A forked child runs on one thread. */
-static void pool_run(region_fn fn, elp_job *job, int workers) {
-#if defined(_OPENMP)
-    if (workers > 1 && !pool.forked) {
-#pragma omp parallel num_threads(workers)
-        {
-            int id = omp_get_thread_num();
-            if (id < MAX_THREADS) fn(job, &pool.scratch[id]);
-        }
-        return;
-    }
-#endif
-    (void)workers;
-    fn(job, &pool.scratch[0]);
 }
 
 /* A thread's part of a pass: rows, a few at a time, until none are left. */
@@ -1431,6 +1412,23 @@ static void take_rows(elp_job *job, value_scratch **scratch) {
     }
 }
 
+/* take_rows on `workers` threads (the caller is one of them), each with its own scratch
+   slot. Called with pool.busy held. A forked child runs on one thread. */
+static void pool_run(elp_job *job, int workers) {
+#if defined(_OPENMP)
+    if (workers > 1 && !pool.forked) {
+#pragma omp parallel num_threads(workers)
+        {
+            int id = omp_get_thread_num();
+            if (id < MAX_THREADS) take_rows(job, &pool.scratch[id]);
+        }
+        return;
+    }
+#endif
+    (void)workers;
+    take_rows(job, &pool.scratch[0]);
+}
+
 enum { ROW_GRAB_ELEMENTS = 1 << 14 };
 
 /* Rows are handed out a few at a time to whichever thread is free; each row is computed
@@ -1447,7 +1445,7 @@ static void run_rows(rows_fn fn, elp_job *job) {
     job->next = 0;
     job->threads = threads;
     if (pthread_mutex_trylock(&pool.busy) == 0) {
-        pool_run(take_rows, job, (int)threads);
+        pool_run(job, (int)threads);
         pthread_mutex_unlock(&pool.busy);
         return;
     }
