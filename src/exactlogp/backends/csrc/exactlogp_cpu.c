@@ -8,7 +8,8 @@
  *   2. M = max of valid y       exact in any order
  *   3. e = exp_c(y - M)         binary64 + - * only: Cody-Waite, table, Horner, 2^n from bits
  *   4. (hi, lo) = Q(e), Q(w)    floor and magic-number rint, both exact
- *   5. limb sums                integer-valued doubles summed exactly (< 2^53), then int64
+ *   5. limb sums                hi: integer-valued doubles summed exactly (< 2^53), then
+ *                               int64; lo: the bits of lo + MAGIC summed in uint64
  *   7. finalize                 contract.finalize per row, scalar binary64, the same order
  *   backward                    p = e / fl(S), the formulas of contract.grad_block (one for
  *                               the target column, one for the others), / tau,
@@ -164,7 +165,8 @@ ELP_INLINE void store_u16(void *p, vu v) { /* every value fits: truncation is ex
 ELP_INLINE vd floord(vd s) {
     return (vd)_mm512_roundscale_pd((__m512d)s, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
 }
-/* table[j] for j in [0, 32): two two-register permutes and a blend pick the entries */
+/* table[j mod 32]: two two-register permutes (they read j's low 4 bits) and a blend (on
+   bit 4) pick the entries */
 ELP_INLINE vd table_lookup(const double *table, vl j) {
     __m512i idx = (__m512i)j;
     __m512d lo = _mm512_permutex2var_pd(_mm512_loadu_pd(table), idx, _mm512_loadu_pd(table + 8));
@@ -205,7 +207,8 @@ ELP_INLINE void store_u16(void *p, vu v) { /* every value fits: packus == trunca
 ELP_INLINE vd floord(vd s) { return (vd)_mm256_floor_pd((__m256d)s); }
 /* Four scalar loads: on the AMD Zen 3 this was tuned on they beat vgatherqpd by about
    13 % in the partials pass. */
-ELP_INLINE vd table_lookup(const double *table, vl j) {
+ELP_INLINE vd table_lookup(const double *table, vl j) { /* j's low bits */
+    j &= (1 << ELP_TABLE_BITS) - 1;
     return (vd){table[j[0]], table[j[1]], table[j[2]], table[j[3]]};
 }
 #else
@@ -262,8 +265,9 @@ ELP_INLINE vd floord(vd s) { /* for 0 <= s < 2^52: nearest integer, then step do
     vd near = (s + 0x1p52) - 0x1p52;
     return near - andd((vl)(near > s), splatd(1.0));
 }
-ELP_INLINE vd table_lookup(const double *table, vl j) {
+ELP_INLINE vd table_lookup(const double *table, vl j) { /* j's low bits */
     vd r;
+    j &= (1 << ELP_TABLE_BITS) - 1;
     for (int i = 0; i < DW; ++i) r[i] = table[j[i]];
     return r;
 }
@@ -316,35 +320,47 @@ ELP_INLINE vi load_keep(const uint8_t *p) { return load_u8(p) != 0; }
    25 % faster than 2; on Zen 5 (AVX-512, 8 doubles per vector) V4 = 8 ran 10-15 % faster
    than 4 and about 40 % faster than 2. */
 
-/* exp(d) for d in [CUTOFF, 0]: contract.exp_c, operation for operation. */
-ELP_INLINE void exp_c(const vd d[V4], vd e[V4]) {
-    vd tm[V4], kd[V4], r[V4], p[V4];
-    for (int i = 0; i < V4; ++i) tm[i] = d[i] * ELP_INV_LN2_32 + ELP_MAGIC;
-    for (int i = 0; i < V4; ++i) kd[i] = tm[i] - ELP_MAGIC; /* rint_even(d / (ln2/32)) */
-    for (int i = 0; i < V4; ++i) r[i] = (d[i] - kd[i] * ELP_LN2_32_HI) - kd[i] * ELP_LN2_32_LO;
+/* exp(d) 2^scale for d in [CUTOFF, 0]: contract.exp_c, operation for operation, and then
+   scaled by 2^scale (exact: every value stays normal), with scale 0 or FRAC_BITS.
+   kd = rint_even(t) is (t + MAGIC) - MAGIC; adding the even integer 32 scale to MAGIC moves
+   neither kd (rint_even(t + 2j) = rint_even(t) + 2j) nor k mod 32, and leaves the bits of
+   tm = t + MAGIC + 32 scale equal to bits(MAGIC) + k + 32 scale (one binade, unit ulp). So
+   the table index is tm's low bits, and tm's bits shifted right by TABLE_BITS and left by
+   52 are (floor(k / 32) + scale) << 52 modulo 2^64 (bits(MAGIC) << 47 is 0 modulo 2^64):
+   added to the bits of T p (a normal number in [0.98, 2.03)) they multiply it by
+   2^(floor(k / 32) + scale) exactly, which is fl(fl(T p) 2^(k >> 5)) 2^scale. */
+ELP_INLINE void exp_c(const vd d[V4], vd e[V4], const int scale) {
+    const double magic = ELP_MAGIC + (double)(scale << ELP_TABLE_BITS);
+    vd tm[V4], r[V4], p[V4];
+    for (int i = 0; i < V4; ++i) tm[i] = d[i] * ELP_INV_LN2_32 + magic;
+    for (int i = 0; i < V4; ++i) {
+        vd kd = tm[i] - magic; /* rint_even(d / (ln2/32)) */
+        r[i] = (d[i] - kd * ELP_LN2_32_HI) - kd * ELP_LN2_32_LO;
+    }
     for (int i = 0; i < V4; ++i) p[i] = splatd(exp_poly[0]);
     for (int c = 1; c < ELP_EXP_POLY_LEN; ++c) /* Horner, no FMA */
         for (int i = 0; i < V4; ++i) p[i] = p[i] * r[i] + exp_poly[c];
     for (int i = 0; i < V4; ++i) {
-        vl k = (vl)tm[i] - (vl)splatd(ELP_MAGIC); /* the integer kd, from the bits */
-        vd tab = table_lookup(exp2_table, k & ((1 << ELP_TABLE_BITS) - 1));
-        /* 2^(k >> TABLE_BITS) from its bits: k >= -2^12, so with the exponent bias (times
-           the table size) added the value is >= 0 and a logical shift is the floor */
-        vul biased = (vul)(k + (1023 << ELP_TABLE_BITS));
-        e[i] = (tab * p[i]) * (vd)((biased >> ELP_TABLE_BITS) << 52);
+        vul kb = (vul)tm[i];
+        vd tp = table_lookup(exp2_table, (vl)kb) * p[i];
+        e[i] = (vd)((vul)tp + ((kb >> ELP_TABLE_BITS) << 52));
     }
 }
 
 /* ------------------------------------------------------------------ 4-5. quantize, sum */
 
-/* Integer-valued doubles of at most 2^FRAC_BITS, V4 per lane and step: every partial sum
-   stays <= 2^53, hence exact, for FLUSH_STEPS steps; then the lanes go to int64. */
+/* The hi limbs are integer-valued doubles of at most 2^FRAC_BITS, V4 per lane and step:
+   every partial sum stays <= 2^53, hence exact, for FLUSH_STEPS steps; then the lanes go
+   to int64. The lo limbs are summed as the bits of lo + MAGIC (= bits(MAGIC) + lo, lo
+   being an integer below 2^51), in uint64 lanes that wrap; a flush takes bits(MAGIC) off
+   once per value added. */
 enum { FLUSH_STEPS = (1 << (53 - ELP_FRAC_BITS)) / V4 };
 
 typedef struct {
-    vd e_hi, e_lo, w_hi, w_lo;
-    int64_t total[4]; /* flushed sums: E_HI, E_LO, W_HI, W_LO */
-    vi nonfinite;     /* minus the count, per lane */
+    vd e_hi, w_hi;
+    vul e_lo, w_lo;
+    uint64_t total[4]; /* flushed sums: E_HI, E_LO, W_HI, W_LO */
+    vi nonfinite;      /* minus the count, per lane */
 } row_sums;
 
 ELP_INLINE vd exact_sum(const vd v[V4]) { /* integer-valued, < 2^53: any order is exact */
@@ -363,25 +379,43 @@ ELP_INLINE void quantize(const vd v[V4], vd hi[V4], vd lo[V4]) {
     }
 }
 
-ELP_INLINE void quantize_add(const vd v[V4], vd *sum_hi, vd *sum_lo) {
-    vd hi[V4], lo[V4];
-    quantize(v, hi, lo);
+/* The same limbs of s = v 2^42 (given) added to the sums: hi as doubles, lo as the bits
+   of lo + MAGIC. */
+ELP_INLINE void quantize_add(const vd s[V4], vd *sum_hi, vul *sum_lo) {
+    vd hi[V4];
+    for (int i = 0; i < V4; ++i) {
+        hi[i] = floord(s[i]);
+        *sum_lo += (vul)((s[i] - hi[i]) * ELP_LIMB_SCALE + ELP_MAGIC);
+    }
     *sum_hi += exact_sum(hi);
-    *sum_lo += exact_sum(lo);
 }
 
-ELP_INLINE int64_t lanes_total(vd v) {
-    int64_t t = 0;
-    for (int i = 0; i < DW; ++i) t += (int64_t)v[i];
+ELP_INLINE uint64_t lanes_total(vd v) {
+    uint64_t t = 0;
+    for (int i = 0; i < DW; ++i) t += (uint64_t)(int64_t)v[i];
     return t;
 }
 
-ELP_INLINE void flush(row_sums *s) {
+ELP_INLINE uint64_t lanes_u64(vul v) {
+    uint64_t t = 0;
+    for (int i = 0; i < DW; ++i) t += v[i];
+    return t;
+}
+
+/* Move the lanes to the totals after `steps` steps of LANES values (W's only with
+   entropy: without, its lanes hold nothing). */
+ELP_INLINE void flush(row_sums *s, int64_t steps, const int entropy) {
+    union {
+        double d;
+        uint64_t u;
+    } magic = {ELP_MAGIC};
+    uint64_t offset = (uint64_t)steps * LANES * magic.u; /* modulo 2^64, as the sums */
     s->total[0] += lanes_total(s->e_hi);
-    s->total[1] += lanes_total(s->e_lo);
+    s->total[1] += lanes_u64(s->e_lo) - offset;
     s->total[2] += lanes_total(s->w_hi);
-    s->total[3] += lanes_total(s->w_lo);
-    s->e_hi = s->e_lo = s->w_hi = s->w_lo = splatd(0.0);
+    s->total[3] += lanes_u64(s->w_lo) - (entropy ? offset : 0);
+    s->e_hi = s->w_hi = splatd(0.0);
+    s->e_lo = s->w_lo = (vul)splatd(0.0);
 }
 
 /* ------------------------------------------------------------------ the element steps */
@@ -410,7 +444,7 @@ ELP_INLINE void term_exps(const vf y8[V8], const vi valid8[V8], vd m, vd e[V4], 
     vl valid[V4], term[V4];
     widen(y8, valid8, y, valid);
     terms(y, valid, m, term, dz);
-    exp_c(dz, e);
+    exp_c(dz, e, 0);
     for (int i = 0; i < V4; ++i) e[i] = andd(term[i], e[i]);
 }
 
@@ -419,14 +453,24 @@ ELP_INLINE vi nonfinite_lanes(vf y, vi valid) { return valid & ~(y < __builtin_i
 /* Add LANES columns to the row sums (contract.partials). */
 ELP_INLINE void partials_step(const vf y8[V8], const vi valid8[V8], vd m, row_sums *s,
                               const int entropy) {
-    vd dz[V4], e[V4];
-    term_exps(y8, valid8, m, e, dz);
-    quantize_add(e, &s->e_hi, &s->e_lo);
+    vd dz[V4], sv[V4];
     if (entropy) {
-        vd w[V4];
-        for (int i = 0; i < V4; ++i) w[i] = e[i] * (-dz[i]);
-        quantize_add(w, &s->w_hi, &s->w_lo);
+        vd e[V4], sw[V4];
+        term_exps(y8, valid8, m, e, dz);
+        for (int i = 0; i < V4; ++i) {
+            sv[i] = e[i] * ELP_LIMB_SCALE;
+            sw[i] = (e[i] * (-dz[i])) * ELP_LIMB_SCALE;
+        }
+        quantize_add(sw, &s->w_hi, &s->w_lo);
+    } else { /* e 2^42 straight from exp_c */
+        vd y[V4];
+        vl valid[V4], term[V4];
+        widen(y8, valid8, y, valid);
+        terms(y, valid, m, term, dz);
+        exp_c(dz, sv, ELP_FRAC_BITS);
+        for (int i = 0; i < V4; ++i) sv[i] = andd(term[i], sv[i]);
     }
+    quantize_add(sv, &s->e_hi, &s->e_lo);
     for (int q = 0; q < V8; ++q) s->nonfinite += nonfinite_lanes(y8[q], valid8[q]);
 }
 
@@ -657,12 +701,12 @@ ELP_INLINE void direct_sums(const row_view *v, float row_max, uint64_t total[4],
         load_step(v, j, v->n_real, dtype, y, valid);
         partials_step(y, valid, m, &sums, entropy);
         if (++steps == FLUSH_STEPS) {
-            flush(&sums);
+            flush(&sums, steps, entropy);
             steps = 0;
         }
     }
-    flush(&sums);
-    for (int i = 0; i < 4; ++i) total[i] = (uint64_t)sums.total[i];
+    flush(&sums, steps, entropy);
+    for (int i = 0; i < 4; ++i) total[i] = sums.total[i];
     *nonfinite = 0;
     for (int i = 0; i < FW; ++i) *nonfinite -= sums.nonfinite[i];
 }
@@ -961,12 +1005,6 @@ ELP_INLINE void sum_values(const row_view *v, const uint16_t *vals, int64_t n,
         add_counted(c, hi, lo, &t->w_hi, &t->w_lo);
     }
     for (int q = 0; q < V8; ++q) t->nonfinite += (vu)nonfinite_lanes(y8[q], valid8[q]) & c32[q];
-}
-
-ELP_INLINE uint64_t lanes_u64(vul v) {
-    uint64_t t = 0;
-    for (int i = 0; i < DW; ++i) t += v[i];
-    return t;
 }
 
 /* The 16-bit keys of a row for the value-table path, or NULL for the direct loops: the row
