@@ -329,7 +329,8 @@ ELP_INLINE vi load_keep(const uint8_t *p) { return load_u8(p) != 0; }
    52 are (floor(k / 32) + scale) << 52 modulo 2^64 (bits(MAGIC) << 47 is 0 modulo 2^64):
    added to the bits of T p (a normal number in [0.98, 2.03)) they multiply it by
    2^(floor(k / 32) + scale) exactly, which is fl(fl(T p) 2^(k >> 5)) 2^scale. */
-ELP_INLINE void exp_c(const vd d[V4], vd e[V4], const int scale) {
+/* exp_c's reduction and polynomial: the bits kb of tm, and T p = table[k mod 32] p. */
+ELP_INLINE void exp_c_parts(const vd d[V4], vul kb[V4], vd tp[V4], const int scale) {
     const double magic = ELP_MAGIC + (double)(scale << ELP_TABLE_BITS);
     vd tm[V4], r[V4], p[V4];
     for (int i = 0; i < V4; ++i) tm[i] = d[i] * ELP_INV_LN2_32 + magic;
@@ -341,10 +342,18 @@ ELP_INLINE void exp_c(const vd d[V4], vd e[V4], const int scale) {
     for (int c = 1; c < ELP_EXP_POLY_LEN; ++c) /* Horner, no FMA */
         for (int i = 0; i < V4; ++i) p[i] = p[i] * r[i] + exp_poly[c];
     for (int i = 0; i < V4; ++i) {
-        vul kb = (vul)tm[i];
-        vd tp = table_lookup(exp2_table, (vl)kb) * p[i];
-        e[i] = (vd)((vul)tp + ((kb >> ELP_TABLE_BITS) << 52));
+        kb[i] = (vul)tm[i];
+        tp[i] = table_lookup(exp2_table, (vl)kb[i]) * p[i];
     }
+}
+
+ELP_INLINE vul exp_c_shift(vul kb) { return (kb >> ELP_TABLE_BITS) << 52; }
+
+ELP_INLINE void exp_c(const vd d[V4], vd e[V4], const int scale) {
+    vul kb[V4];
+    vd tp[V4];
+    exp_c_parts(d, kb, tp, scale);
+    for (int i = 0; i < V4; ++i) e[i] = (vd)((vul)tp[i] + exp_c_shift(kb[i]));
 }
 
 /* ------------------------------------------------------------------ 4-5. quantize, sum */
@@ -450,9 +459,43 @@ ELP_INLINE void term_exps(const vf y8[V8], const vi valid8[V8], vd m, vd e[V4], 
 
 ELP_INLINE vi nonfinite_lanes(vf y, vi valid) { return valid & ~(y < __builtin_inff()); }
 
-/* Add LANES columns to the row sums (contract.partials). */
+#if defined(__AVX512F__)
+/* partials_step without entropy in the AVX-512 build: the same operations, with the term
+   and non-finite masks in mask registers (a compare chain under the valid lanes, a
+   zeroing move for dz, a zeroing add for e 2^42). */
+ELP_INLINE void partials_step_k(const vf y8[V8], const vi valid8[V8], vd m, row_sums *s,
+                                const int all_valid) {
+    vd dz[V4], tp[V4], sv[V4];
+    vul kb[V4];
+    __mmask8 term[V4];
+    for (int q = 0; q < V8; ++q) {
+        __mmask16 ok = all_valid ? (__mmask16)0xFFFF
+                                 : _mm512_test_epi32_mask((__m512i)valid8[q], (__m512i)valid8[q]);
+        __mmask16 bad = _mm512_mask_cmp_ps_mask(ok, (__m512)y8[q],
+                                                _mm512_set1_ps(__builtin_inff()), _CMP_NLT_UQ);
+        s->nonfinite = (vi)_mm512_mask_sub_epi32((__m512i)s->nonfinite, bad,
+                                                 (__m512i)s->nonfinite, _mm512_set1_epi32(1));
+        for (int h = 0; h < 2; ++h) {
+            __m512d d = _mm512_sub_pd((__m512d)(h ? widen_hi(y8[q]) : widen_lo(y8[q])),
+                                      (__m512d)m);
+            __mmask8 k = (__mmask8)(h ? ok >> 8 : ok);
+            k = _mm512_mask_cmp_pd_mask(k, d, _mm512_set1_pd(ELP_CUTOFF), _CMP_GE_OQ);
+            k = _mm512_mask_cmp_pd_mask(k, d, _mm512_setzero_pd(), _CMP_LE_OQ);
+            term[2 * q + h] = k;
+            dz[2 * q + h] = (vd)_mm512_maskz_mov_pd(k, d);
+        }
+    }
+    exp_c_parts(dz, kb, tp, ELP_FRAC_BITS);
+    for (int i = 0; i < V4; ++i)
+        sv[i] = (vd)_mm512_maskz_add_epi64(term[i], (__m512i)tp[i], (__m512i)exp_c_shift(kb[i]));
+    quantize_add(sv, &s->e_hi, &s->e_lo);
+}
+#endif
+
+/* Add LANES columns to the row sums (contract.partials); all_valid: every valid8 lane is
+   set. */
 ELP_INLINE void partials_step(const vf y8[V8], const vi valid8[V8], vd m, row_sums *s,
-                              const int entropy) {
+                              const int entropy, const int all_valid) {
     vd dz[V4], sv[V4];
     if (entropy) {
         vd e[V4], sw[V4];
@@ -463,6 +506,12 @@ ELP_INLINE void partials_step(const vf y8[V8], const vi valid8[V8], vd m, row_su
         }
         quantize_add(sw, &s->w_hi, &s->w_lo);
     } else { /* e 2^42 straight from exp_c */
+#if defined(__AVX512F__)
+        partials_step_k(y8, valid8, m, s, all_valid);
+        return;
+#else
+        (void)all_valid;
+#endif
         vd y[V4];
         vl valid[V4], term[V4];
         widen(y8, valid8, y, valid);
@@ -639,7 +688,17 @@ ELP_INLINE void load_step(const row_view *v, int64_t j, int64_t end, const int d
 ELP_INLINE float view_max(const row_view *v, const int dtype) {
     vf best[V8];
     for (int q = 0; q < V8; ++q) best[q] = splatf(-__builtin_inff());
-    for (int64_t j = 0; j < v->n_real; j += LANES) {
+    /* whole steps without a keep mask: every lane valid (load_step's result) */
+    const int64_t whole = v->keep ? 0 : v->n_real - v->n_real % LANES;
+    int64_t j = 0;
+    for (; j < whole; j += LANES)
+        for (int q = 0; q < V8; ++q) {
+            vf x = loadf(v->x + (j + FW * q) * elem_size(dtype), dtype);
+            vf y = v->divide ? x / splatf(v->tau32) : x; /* stage 1: fp32 division */
+            vf cand = selectf(y < __builtin_inff(), y, splatf(-__builtin_inff()));
+            best[q] = selectf(cand > best[q], cand, best[q]);
+        }
+    for (; j < v->n_real; j += LANES) {
         vf y[V8];
         vi valid[V8];
         load_step(v, j, v->n_real, dtype, y, valid);
@@ -692,14 +751,34 @@ ELP_INLINE void direct_sums(const row_view *v, float row_max, uint64_t total[4],
     memset(&sums, 0, sizeof sums);
     int64_t steps = 0;
     const int64_t step_bytes = LANES * elem_size(dtype);
-    for (int64_t j = 0; j < v->n_real; j += LANES) {
+    /* whole steps without a keep mask: every lane valid, no bounds (load_step's result) */
+    const int64_t whole = v->keep ? 0 : v->n_real - v->n_real % LANES;
+    int64_t j = 0;
+    for (; j < whole; j += LANES) {
+        vf y[V8];
+        vi valid[V8];
+        if (ahead)
+            for (int64_t b = 0; b < step_bytes; b += 64)
+                __builtin_prefetch(ahead + j * elem_size(dtype) + b, 0, 2);
+        for (int q = 0; q < V8; ++q) {
+            vf x = loadf(v->x + (j + FW * q) * elem_size(dtype), dtype);
+            y[q] = v->divide ? x / splatf(v->tau32) : x; /* stage 1: fp32 division */
+            valid[q] = ~(vi){0};
+        }
+        partials_step(y, valid, m, &sums, entropy, 1);
+        if (++steps == FLUSH_STEPS) {
+            flush(&sums, steps, entropy);
+            steps = 0;
+        }
+    }
+    for (; j < v->n_real; j += LANES) {
         vf y[V8];
         vi valid[V8];
         if (ahead)
             for (int64_t b = 0; b < step_bytes; b += 64)
                 __builtin_prefetch(ahead + j * elem_size(dtype) + b, 0, 2);
         load_step(v, j, v->n_real, dtype, y, valid);
-        partials_step(y, valid, m, &sums, entropy);
+        partials_step(y, valid, m, &sums, entropy, 0);
         if (++steps == FLUSH_STEPS) {
             flush(&sums, steps, entropy);
             steps = 0;
