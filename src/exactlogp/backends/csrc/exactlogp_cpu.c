@@ -378,18 +378,9 @@ ELP_INLINE vd exact_sum(const vd v[V4]) { /* integer-valued, < 2^53: any order i
     return acc;
 }
 
-/* contract.quantize of v in [0, 1]: hi = floor(v 2^42), lo = rint_even((v 2^42 - hi) 2^42),
-   as integer-valued doubles. */
-ELP_INLINE void quantize(const vd v[V4], vd hi[V4], vd lo[V4]) {
-    for (int i = 0; i < V4; ++i) {
-        vd s = v[i] * ELP_LIMB_SCALE;
-        hi[i] = floord(s); /* the contract truncates to int64: the same for s >= 0 */
-        lo[i] = ((s - hi[i]) * ELP_LIMB_SCALE + ELP_MAGIC) - ELP_MAGIC;
-    }
-}
-
-/* The same limbs of s = v 2^42 (given) added to the sums: hi as doubles, lo as the bits
-   of lo + MAGIC. */
+/* contract.quantize of v in [0, 1], given s = v 2^42: hi = floor(s) (the contract truncates
+   to int64: the same for s >= 0), lo = rint_even((s - hi) 2^42), added to the sums: hi as
+   an integer-valued double, lo as the bits of lo + MAGIC. */
 ELP_INLINE void quantize_add(const vd s[V4], vd *sum_hi, vul *sum_lo) {
     vd hi[V4];
     for (int i = 0; i < V4; ++i) {
@@ -459,22 +450,21 @@ ELP_INLINE void term_exps(const vf y8[V8], const vi valid8[V8], vd m, vd e[V4], 
 
 ELP_INLINE vi nonfinite_lanes(vf y, vi valid) { return valid & ~(y < __builtin_inff()); }
 
+/* e 2^42 of LANES columns, +0 where a column is not a term (contract stages 2-3 and the
+   scaling that starts quantize; exp_c scales by 2^42 for free); all_valid: every valid8
+   lane is set. The AVX-512 build keeps the term masks in mask registers (a compare chain
+   under the valid lanes, a zeroing move for dz, a zeroing add for the exponent): the same
+   operations on the same lanes. */
+ELP_INLINE void scaled_term_exps(const vf y8[V8], const vi valid8[V8], vd m, vd sv[V4],
+                                 const int all_valid) {
+    vd dz[V4];
 #if defined(__AVX512F__)
-/* partials_step without entropy in the AVX-512 build: the same operations, with the term
-   and non-finite masks in mask registers (a compare chain under the valid lanes, a
-   zeroing move for dz, a zeroing add for e 2^42). */
-ELP_INLINE void partials_step_k(const vf y8[V8], const vi valid8[V8], vd m, row_sums *s,
-                                const int all_valid) {
-    vd dz[V4], tp[V4], sv[V4];
+    vd tp[V4];
     vul kb[V4];
     __mmask8 term[V4];
     for (int q = 0; q < V8; ++q) {
         __mmask16 ok = all_valid ? (__mmask16)0xFFFF
                                  : _mm512_test_epi32_mask((__m512i)valid8[q], (__m512i)valid8[q]);
-        __mmask16 bad = _mm512_mask_cmp_ps_mask(ok, (__m512)y8[q],
-                                                _mm512_set1_ps(__builtin_inff()), _CMP_NLT_UQ);
-        s->nonfinite = (vi)_mm512_mask_sub_epi32((__m512i)s->nonfinite, bad,
-                                                 (__m512i)s->nonfinite, _mm512_set1_epi32(1));
         for (int h = 0; h < 2; ++h) {
             __m512d d = _mm512_sub_pd((__m512d)(h ? widen_hi(y8[q]) : widen_lo(y8[q])),
                                       (__m512d)m);
@@ -488,39 +478,49 @@ ELP_INLINE void partials_step_k(const vf y8[V8], const vi valid8[V8], vd m, row_
     exp_c_parts(dz, kb, tp, ELP_FRAC_BITS);
     for (int i = 0; i < V4; ++i)
         sv[i] = (vd)_mm512_maskz_add_epi64(term[i], (__m512i)tp[i], (__m512i)exp_c_shift(kb[i]));
-    quantize_add(sv, &s->e_hi, &s->e_lo);
-}
+#else
+    (void)all_valid; /* the compiler folds the all-ones masks itself */
+    vd y[V4];
+    vl valid[V4], term[V4];
+    widen(y8, valid8, y, valid);
+    terms(y, valid, m, term, dz);
+    exp_c(dz, sv, ELP_FRAC_BITS);
+    for (int i = 0; i < V4; ++i) sv[i] = andd(term[i], sv[i]);
 #endif
+}
+
+/* minus the count of valid NaN and +inf lanes, added to the per-lane `*acc` */
+ELP_INLINE void count_nonfinite(vf y, vi valid, const int all_valid, vi *acc) {
+#if defined(__AVX512F__)
+    __mmask16 ok = all_valid ? (__mmask16)0xFFFF
+                             : _mm512_test_epi32_mask((__m512i)valid, (__m512i)valid);
+    __mmask16 bad =
+        _mm512_mask_cmp_ps_mask(ok, (__m512)y, _mm512_set1_ps(__builtin_inff()), _CMP_NLT_UQ);
+    *acc = (vi)_mm512_mask_sub_epi32((__m512i)*acc, bad, (__m512i)*acc, _mm512_set1_epi32(1));
+#else
+    (void)all_valid;
+    *acc += nonfinite_lanes(y, valid);
+#endif
+}
 
 /* Add LANES columns to the row sums (contract.partials); all_valid: every valid8 lane is
    set. */
 ELP_INLINE void partials_step(const vf y8[V8], const vi valid8[V8], vd m, row_sums *s,
                               const int entropy, const int all_valid) {
-    vd dz[V4], sv[V4];
+    vd sv[V4];
     if (entropy) {
-        vd e[V4], sw[V4];
+        vd e[V4], dz[V4], sw[V4];
         term_exps(y8, valid8, m, e, dz);
         for (int i = 0; i < V4; ++i) {
             sv[i] = e[i] * ELP_LIMB_SCALE;
             sw[i] = (e[i] * (-dz[i])) * ELP_LIMB_SCALE;
         }
         quantize_add(sw, &s->w_hi, &s->w_lo);
-    } else { /* e 2^42 straight from exp_c */
-#if defined(__AVX512F__)
-        partials_step_k(y8, valid8, m, s, all_valid);
-        return;
-#else
-        (void)all_valid;
-#endif
-        vd y[V4];
-        vl valid[V4], term[V4];
-        widen(y8, valid8, y, valid);
-        terms(y, valid, m, term, dz);
-        exp_c(dz, sv, ELP_FRAC_BITS);
-        for (int i = 0; i < V4; ++i) sv[i] = andd(term[i], sv[i]);
+    } else {
+        scaled_term_exps(y8, valid8, m, sv, all_valid);
     }
     quantize_add(sv, &s->e_hi, &s->e_lo);
-    for (int q = 0; q < V8; ++q) s->nonfinite += nonfinite_lanes(y8[q], valid8[q]);
+    for (int q = 0; q < V8; ++q) count_nonfinite(y8[q], valid8[q], all_valid, &s->nonfinite);
 }
 
 typedef struct {
@@ -1046,14 +1046,15 @@ typedef struct {
     vu nonfinite;               /* at most n_real < 2^32 */
 } value_sums;
 
-/* An integer-valued double 0 <= v < 2^52 as an integer: the low bits of v + 2^52 (exact). */
-ELP_INLINE vul as_u64(vd v) { return (vul)(v + 0x1p52) - (vul)splatd(0x1p52); }
-
-ELP_INLINE void add_counted(const vul c[V4], const vd hi[V4], const vd lo[V4], vul *sum_hi,
-                            vul *sum_lo) {
+/* count x the limbs of s = v 2^42 (contract.quantize), each added as count x (its bits +
+   bits(MAGIC)): hi + MAGIC and (s - hi) 2^42 + MAGIC are exact (hi, lo < 2^51), their bits
+   bits(MAGIC) + hi and bits(MAGIC) + lo; the row's sums take off bits(MAGIC) x the sum of
+   the counts once. */
+ELP_INLINE void add_counted(const vul c[V4], const vd s[V4], vul *sum_hi, vul *sum_lo) {
     for (int i = 0; i < V4; ++i) {
-        *sum_hi += c[i] * as_u64(hi[i]);
-        *sum_lo += c[i] * as_u64(lo[i]);
+        vd hi = floord(s[i]);
+        *sum_hi += c[i] * (vul)(hi + ELP_MAGIC);
+        *sum_lo += c[i] * (vul)((s[i] - hi) * ELP_LIMB_SCALE + ELP_MAGIC);
     }
 }
 
@@ -1072,17 +1073,28 @@ ELP_INLINE void sum_values(const row_view *v, const uint16_t *vals, int64_t n,
     row_view w = values_view(v, vals, n);
     vf y8[V8];
     vi valid8[V8];
-    load_step(&w, 0, n, dtype, y8, valid8);
-    vd dz[V4], e[V4], hi[V4], lo[V4];
-    term_exps(y8, valid8, m, e, dz);
-    quantize(e, hi, lo);
-    add_counted(c, hi, lo, &t->e_hi, &t->e_lo);
+    const int whole = n == LANES; /* then every lane is valid: load_step's result */
+    if (whole)
+        for (int q = 0; q < V8; ++q) {
+            vf x = loadf(w.x + FW * q * elem_size(dtype), dtype);
+            y8[q] = w.divide ? x / splatf(w.tau32) : x; /* stage 1: fp32 division */
+            valid8[q] = ~(vi){0};
+        }
+    else
+        load_step(&w, 0, n, dtype, y8, valid8);
+    vd sv[V4];
     if (entropy) {
-        vd wv[V4];
-        for (int i = 0; i < V4; ++i) wv[i] = e[i] * (-dz[i]);
-        quantize(wv, hi, lo);
-        add_counted(c, hi, lo, &t->w_hi, &t->w_lo);
+        vd e[V4], dz[V4], sw[V4];
+        term_exps(y8, valid8, m, e, dz);
+        for (int i = 0; i < V4; ++i) {
+            sv[i] = e[i] * ELP_LIMB_SCALE;
+            sw[i] = (e[i] * (-dz[i])) * ELP_LIMB_SCALE;
+        }
+        add_counted(c, sw, &t->w_hi, &t->w_lo);
+    } else {
+        scaled_term_exps(y8, valid8, m, sv, whole);
     }
+    add_counted(c, sv, &t->e_hi, &t->e_lo);
     for (int q = 0; q < V8; ++q) t->nonfinite += (vu)nonfinite_lanes(y8[q], valid8[q]) & c32[q];
 }
 
@@ -1143,10 +1155,16 @@ ELP_INLINE void table_sums(const row_view *v, const uint16_t *keys, const int st
     for (int64_t i = 0; i < n; i += LANES)
         sum_values(v, sc->done + i, min64(LANES, n - i), count + i, m, &t, vdtype, entropy);
     memset(count, 0, n * sizeof *count); /* all-zero again */
-    total[0] = lanes_u64(t.e_hi);
-    total[1] = lanes_u64(t.e_lo);
-    total[2] = lanes_u64(t.w_hi);
-    total[3] = lanes_u64(t.w_lo);
+    union {
+        double d;
+        uint64_t u;
+    } magic = {ELP_MAGIC};
+    /* the counts sum to `kept` (checked above where a uint16 count could have wrapped) */
+    uint64_t offset = (uint64_t)kept * magic.u; /* modulo 2^64, as the sums */
+    total[0] = lanes_u64(t.e_hi) - offset;
+    total[1] = lanes_u64(t.e_lo) - offset;
+    total[2] = lanes_u64(t.w_hi) - (entropy ? offset : 0);
+    total[3] = lanes_u64(t.w_lo) - (entropy ? offset : 0);
     uint64_t nf = 0;
     for (int i = 0; i < FW; ++i) nf += t.nonfinite[i];
     *nonfinite = (int64_t)nf;
