@@ -33,7 +33,6 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/mman.h>
 #if defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -1640,25 +1639,9 @@ int elp_finalize(int64_t n_rows, const int64_t *target, int64_t vocab_size, int6
     return 0;
 }
 
-/* Ask for transparent huge pages on a fresh output buffer before its first write: the
-   gradient is as large as the logits, and faulting it in 4 KiB pages costs more than
-   computing it on small VMs. Only whole 2 MiB pages inside the buffer are affected; a
-   kernel without THP ignores the hint. */
-static void prefer_huge_pages(void *p, size_t bytes) {
-#if defined(MADV_HUGEPAGE)
-    const uintptr_t huge = (uintptr_t)1 << 21;
-    uintptr_t lo = ((uintptr_t)p + huge - 1) & ~(huge - 1), hi = ((uintptr_t)p + bytes) & ~(huge - 1);
-    if (hi > lo) madvise((void *)lo, hi - lo, MADV_HUGEPAGE);
-#else
-    (void)p;
-    (void)bytes;
-#endif
-}
-
 /* out[n_rows, n_cols] in the logits' dtype, contiguous. */
 int elp_grad(const elp_shard *s, const elp_grad_stats *stats, int32_t with_entropy, void *out) {
     if (bad_shard(s) || (s->n_rows > 0 && !s->target)) return -1;
-    prefer_huge_pages(out, (size_t)(s->n_rows * s->n_cols * (s->dtype == ELP_F32 ? 4 : 2)));
     elp_job job = {.s = s, .stats = stats, .out = out, .variant = variant_of(s, with_entropy),
                    .wants_scratch = s->dtype != ELP_F32 && wants_tables(s)};
     run_rows(grad_rows, &job);
