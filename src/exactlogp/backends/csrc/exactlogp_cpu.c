@@ -20,7 +20,9 @@
  * contract.py. The arithmetic is written once with GCC vector extensions of DW doubles
  * (FW = 2 DW floats): DW = 8 in the AVX-512 build, 4 in the AVX2 and portable builds; only
  * the data-movement primitives below (widen, narrow, floor, table lookup, 16- and 8-bit
- * loads) have an ISA-specific form, and they move bits or floor.
+ * loads) have an ISA-specific form, and they move bits or floor; and the AVX-512 build
+ * keeps the forward's term and non-finite masks in mask registers (scaled_term_exps,
+ * count_nonfinite: the same compares on the same lanes).
  *
  * Rows are spread over torch's OpenMP threads; a row's result never depends on the thread
  * that ran it. Long rows of 16-bit logits (and fp32 rows whose values are all
