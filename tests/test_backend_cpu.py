@@ -324,6 +324,34 @@ def test_row_length_past_the_exact_float_flush(cpu, ref):
                          ref.partials(x, target, 1.0, None, m, plan), "record")  # fmt: skip
 
 
+@pytest.mark.parametrize("isa", ["native", "avx2", "baseline"])
+@pytest.mark.parametrize("with_entropy", [False, True], ids=["logprob", "entropy"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_record_of_every_pass_with_and_without_entropy(cpu, ref, dtype, with_entropy, isa):
+    """The whole int64 record -- W_HI and W_LO are zero without entropy -- of partials and
+    of the fused forward, on rows long enough for several flushes of the sums, with and
+    without a keep mask (whole steps and masked steps), a temperature and a short last
+    step (20003 columns), on every build (AVX-512, AVX2, portable)."""
+    from exactlogp.backends.cpu import CpuBackend
+
+    if isa == "avx2" and cpu_build.default_isa() == "baseline":
+        pytest.skip("this CPU has no AVX2")
+    if isa != "native":
+        cpu = CpuBackend(isa=isa, value_tables=cpu.value_tables)
+    x, target = llm_like_logits(3, 20003, dtype, seed=11)
+    keep = torch.rand(3, 20003, generator=torch.Generator().manual_seed(12)) < 0.7
+    keep[torch.arange(3), target] = True
+    plan = ShardPlan(0, None, -100, with_entropy)
+    for tau, mask in ((1.0, None), (0.8, keep)):
+        m = ref.row_max(x, tau, mask, plan)
+        expected = ref.partials(x, target, tau, mask, m, plan)
+        assert_bitwise_equal(cpu.partials(x, target, tau, mask, m, plan), expected, "record")
+        _, fused, _ = cpu.forward_unsharded(x, target, tau, mask, plan)
+        assert_bitwise_equal(fused, expected, "fused record")
+        if not with_entropy:
+            assert not expected[:, contract.COL_W_HI : contract.COL_W_LO + 1].any()
+
+
 # --- value tables: counts, many distinct values, the automatic choice ---
 
 
