@@ -656,6 +656,9 @@ ELP_INLINE int64_t owned_column(const elp_shard *s, int64_t r) {
     return t != s->ignore_index && local < (uint64_t)s->n_real ? (int64_t)local : -1;
 }
 
+/* Stage 1 of FW columns: y = fp32(x) / tau32, IEEE division (skipped where tau32 is 1). */
+ELP_INLINE vf stage1(const row_view *v, vf x) { return v->divide ? x / splatf(v->tau32) : x; }
+
 /* y and validity (real and kept) of columns [j, j + LANES) of columns [0, end); a short
    last step goes through a zeroed buffer and its missing lanes are invalid. */
 ELP_INLINE void load_step(const row_view *v, int64_t j, int64_t end, const int dtype,
@@ -679,35 +682,52 @@ ELP_INLINE void load_step(const row_view *v, int64_t j, int64_t end, const int d
     for (int q = 0; q < V8; ++q) {
         vi ok = lanes_below(real - FW * q);
         valid[q] = pk ? ok & load_keep(pk + FW * q) : ok;
-        vf x = loadf(px + FW * q * es, dtype);
-        y[q] = v->divide ? x / splatf(v->tau32) : x; /* stage 1: fp32 division */
+        y[q] = stage1(v, loadf(px + FW * q * es, dtype));
+    }
+}
+
+/* Where the whole steps of a row end: every step before has LANES real columns and, with
+   no keep mask, every lane valid. */
+ELP_INLINE int64_t whole_steps_end(const row_view *v) {
+    return v->keep ? 0 : v->n_real - v->n_real % LANES;
+}
+
+/* load_step of a whole step (j < whole_steps_end): no bounds, every lane valid. */
+ELP_INLINE void load_whole(const row_view *v, int64_t j, const int dtype, vf y[V8],
+                           vi valid[V8]) {
+    for (int q = 0; q < V8; ++q) {
+        y[q] = stage1(v, loadf(v->x + (j + FW * q) * elem_size(dtype), dtype));
+        valid[q] = ~(vi){0};
     }
 }
 
 /* --- 2. row max over the real, kept columns; NaN and +inf do not take part --- */
 
+/* best = the larger of best and y, lane by lane, over the valid lanes whose y is not NaN
+   or +inf */
+ELP_INLINE void max_step(const vf y[V8], const vi valid[V8], vf best[V8]) {
+    for (int q = 0; q < V8; ++q) {
+        vf cand = selectf(valid[q] & (y[q] < __builtin_inff()), y[q], splatf(-__builtin_inff()));
+        best[q] = selectf(cand > best[q], cand, best[q]);
+    }
+}
+
 ELP_INLINE float view_max(const row_view *v, const int dtype) {
     vf best[V8];
     for (int q = 0; q < V8; ++q) best[q] = splatf(-__builtin_inff());
-    /* whole steps without a keep mask: every lane valid (load_step's result) */
-    const int64_t whole = v->keep ? 0 : v->n_real - v->n_real % LANES;
+    const int64_t whole = whole_steps_end(v);
     int64_t j = 0;
-    for (; j < whole; j += LANES)
-        for (int q = 0; q < V8; ++q) {
-            vf x = loadf(v->x + (j + FW * q) * elem_size(dtype), dtype);
-            vf y = v->divide ? x / splatf(v->tau32) : x; /* stage 1: fp32 division */
-            vf cand = selectf(y < __builtin_inff(), y, splatf(-__builtin_inff()));
-            best[q] = selectf(cand > best[q], cand, best[q]);
-        }
+    for (; j < whole; j += LANES) {
+        vf y[V8];
+        vi valid[V8];
+        load_whole(v, j, dtype, y, valid);
+        max_step(y, valid, best);
+    }
     for (; j < v->n_real; j += LANES) {
         vf y[V8];
         vi valid[V8];
         load_step(v, j, v->n_real, dtype, y, valid);
-        for (int q = 0; q < V8; ++q) {
-            vf cand = selectf(valid[q] & (y[q] < __builtin_inff()), y[q],
-                              splatf(-__builtin_inff()));
-            best[q] = selectf(cand > best[q], cand, best[q]);
-        }
+        max_step(y, valid, best);
     }
     float out = -__builtin_inff();
     for (int q = 0; q < V8; ++q)
@@ -739,6 +759,27 @@ ELP_INLINE void write_record(int64_t *out, const row_view *v, const uint64_t tot
     }
 }
 
+/* One step of direct_sums at column j: prefetch the next row's bytes, load (whole: a
+   whole step, see load_whole), add to the sums, flush every FLUSH_STEPS steps. */
+ELP_INLINE void direct_step(const row_view *v, int64_t j, const char *ahead, vd m,
+                            row_sums *sums, int64_t *steps, const int dtype, const int entropy,
+                            const int whole) {
+    vf y[V8];
+    vi valid[V8];
+    if (ahead)
+        for (int64_t b = 0; b < LANES * elem_size(dtype); b += 64)
+            __builtin_prefetch(ahead + j * elem_size(dtype) + b, 0, 2);
+    if (whole)
+        load_whole(v, j, dtype, y, valid);
+    else
+        load_step(v, j, v->n_real, dtype, y, valid);
+    partials_step(y, valid, m, sums, entropy, whole);
+    if (++*steps == FLUSH_STEPS) {
+        flush(sums, *steps, entropy);
+        *steps = 0;
+    }
+}
+
 /* The limb sums and non-finite count of a row, column by column. `ahead`, when not NULL,
    is the row this thread takes next, as many bytes long as this one: it is prefetched
    into the L2 cache alongside, so that the next row's max pass reads it from there and
@@ -750,41 +791,12 @@ ELP_INLINE void direct_sums(const row_view *v, float row_max, uint64_t total[4],
     vd m = splatd((double)row_max);
     row_sums sums;
     memset(&sums, 0, sizeof sums);
-    int64_t steps = 0;
-    const int64_t step_bytes = LANES * elem_size(dtype);
-    /* whole steps without a keep mask: every lane valid, no bounds (load_step's result) */
-    const int64_t whole = v->keep ? 0 : v->n_real - v->n_real % LANES;
-    int64_t j = 0;
-    for (; j < whole; j += LANES) {
-        vf y[V8];
-        vi valid[V8];
-        if (ahead)
-            for (int64_t b = 0; b < step_bytes; b += 64)
-                __builtin_prefetch(ahead + j * elem_size(dtype) + b, 0, 2);
-        for (int q = 0; q < V8; ++q) {
-            vf x = loadf(v->x + (j + FW * q) * elem_size(dtype), dtype);
-            y[q] = v->divide ? x / splatf(v->tau32) : x; /* stage 1: fp32 division */
-            valid[q] = ~(vi){0};
-        }
-        partials_step(y, valid, m, &sums, entropy, 1);
-        if (++steps == FLUSH_STEPS) {
-            flush(&sums, steps, entropy);
-            steps = 0;
-        }
-    }
-    for (; j < v->n_real; j += LANES) {
-        vf y[V8];
-        vi valid[V8];
-        if (ahead)
-            for (int64_t b = 0; b < step_bytes; b += 64)
-                __builtin_prefetch(ahead + j * elem_size(dtype) + b, 0, 2);
-        load_step(v, j, v->n_real, dtype, y, valid);
-        partials_step(y, valid, m, &sums, entropy, 0);
-        if (++steps == FLUSH_STEPS) {
-            flush(&sums, steps, entropy);
-            steps = 0;
-        }
-    }
+    const int64_t whole = whole_steps_end(v);
+    int64_t steps = 0, j = 0;
+    for (; j < whole; j += LANES)
+        direct_step(v, j, ahead, m, &sums, &steps, dtype, entropy, 1);
+    for (; j < v->n_real; j += LANES)
+        direct_step(v, j, ahead, m, &sums, &steps, dtype, entropy, 0);
     flush(&sums, steps, entropy);
     for (int i = 0; i < 4; ++i) total[i] = sums.total[i];
     *nonfinite = 0;
@@ -1074,13 +1086,9 @@ ELP_INLINE void sum_values(const row_view *v, const uint16_t *vals, int64_t n,
     row_view w = values_view(v, vals, n);
     vf y8[V8];
     vi valid8[V8];
-    const int whole = n == LANES; /* then every lane is valid: load_step's result */
+    const int whole = n == LANES; /* a whole step: values_view has no keep mask */
     if (whole)
-        for (int q = 0; q < V8; ++q) {
-            vf x = loadf(w.x + FW * q * elem_size(dtype), dtype);
-            y8[q] = w.divide ? x / splatf(w.tau32) : x; /* stage 1: fp32 division */
-            valid8[q] = ~(vi){0};
-        }
+        load_whole(&w, 0, dtype, y8, valid8);
     else
         load_step(&w, 0, n, dtype, y8, valid8);
     vd sv[V4];
