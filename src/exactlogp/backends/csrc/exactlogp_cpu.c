@@ -321,15 +321,6 @@ ELP_INLINE vi load_keep(const uint8_t *p) { return load_u8(p) != 0; }
    25 % faster than 2; on Zen 5 (AVX-512, 8 doubles per vector) V4 = 8 ran 10-15 % faster
    than 4 and about 40 % faster than 2. */
 
-/* exp(d) 2^scale for d in [CUTOFF, 0]: contract.exp_c, operation for operation, and then
-   scaled by 2^scale (exact: every value stays normal), with scale 0 or FRAC_BITS.
-   kd = rint_even(t) is (t + MAGIC) - MAGIC; adding the even integer 32 scale to MAGIC moves
-   neither kd (rint_even(t + 2j) = rint_even(t) + 2j) nor k mod 32, and leaves the bits of
-   tm = t + MAGIC + 32 scale equal to bits(MAGIC) + k + 32 scale (one binade, unit ulp). So
-   the table index is tm's low bits, and tm's bits shifted right by TABLE_BITS and left by
-   52 are (floor(k / 32) + scale) << 52 modulo 2^64 (bits(MAGIC) << 47 is 0 modulo 2^64):
-   added to the bits of T p (a normal number in [0.98, 2.03)) they multiply it by
-   2^(floor(k / 32) + scale) exactly, which is fl(fl(T p) 2^(k >> 5)) 2^scale. */
 /* exp_c's reduction and polynomial: the bits kb of tm, and T p = table[k mod 32] p. */
 ELP_INLINE void exp_c_parts(const vd d[V4], vul kb[V4], vd tp[V4], const int scale) {
     const double magic = ELP_MAGIC + (double)(scale << ELP_TABLE_BITS);
@@ -348,8 +339,18 @@ ELP_INLINE void exp_c_parts(const vd d[V4], vul kb[V4], vd tp[V4], const int sca
     }
 }
 
+/* (floor(k / 32) + scale) << 52, modulo 2^64, from the bits kb of tm (see exp_c) */
 ELP_INLINE vul exp_c_shift(vul kb) { return (kb >> ELP_TABLE_BITS) << 52; }
 
+/* exp(d) 2^scale for d in [CUTOFF, 0]: contract.exp_c, operation for operation, and then
+   scaled by 2^scale (exact: every value stays normal), with scale 0 or FRAC_BITS.
+   kd = rint_even(t) is (t + MAGIC) - MAGIC; adding the even integer 32 scale to MAGIC moves
+   neither kd (rint_even(t + 2j) = rint_even(t) + 2j) nor k mod 32, and leaves the bits of
+   tm = t + MAGIC + 32 scale equal to bits(MAGIC) + k + 32 scale (one binade, unit ulp). So
+   the table index is tm's low bits, and tm's bits shifted right by TABLE_BITS and left by
+   52 are (floor(k / 32) + scale) << 52 modulo 2^64 (bits(MAGIC) << 47 is 0 modulo 2^64):
+   added to the bits of T p (a normal number in [0.98, 2.03)) they multiply it by
+   2^(floor(k / 32) + scale) exactly, which is fl(fl(T p) 2^(k >> 5)) 2^scale. */
 ELP_INLINE void exp_c(const vd d[V4], vd e[V4], const int scale) {
     vul kb[V4];
     vd tp[V4];
@@ -391,6 +392,15 @@ ELP_INLINE void quantize_add(const vd s[V4], vd *sum_hi, vul *sum_lo) {
     *sum_hi += exact_sum(hi);
 }
 
+/* bits(MAGIC): what each lo (and, in the value tables, hi) added as bits carries extra */
+ELP_INLINE uint64_t magic_bits(void) {
+    union {
+        double d;
+        uint64_t u;
+    } magic = {ELP_MAGIC};
+    return magic.u;
+}
+
 ELP_INLINE uint64_t lanes_total(vd v) {
     uint64_t t = 0;
     for (int i = 0; i < DW; ++i) t += (uint64_t)(int64_t)v[i];
@@ -406,11 +416,7 @@ ELP_INLINE uint64_t lanes_u64(vul v) {
 /* Move the lanes to the totals after `steps` steps of LANES values (W's only with
    entropy: without, its lanes hold nothing). */
 ELP_INLINE void flush(row_sums *s, int64_t steps, const int entropy) {
-    union {
-        double d;
-        uint64_t u;
-    } magic = {ELP_MAGIC};
-    uint64_t offset = (uint64_t)steps * LANES * magic.u; /* modulo 2^64, as the sums */
+    uint64_t offset = (uint64_t)steps * LANES * magic_bits(); /* modulo 2^64, as the sums */
     s->total[0] += lanes_total(s->e_hi);
     s->total[1] += lanes_u64(s->e_lo) - offset;
     s->total[2] += lanes_total(s->w_hi);
@@ -504,23 +510,30 @@ ELP_INLINE void count_nonfinite(vf y, vi valid, const int all_valid, vi *acc) {
 #endif
 }
 
+/* What quantize takes of LANES columns: sv = e 2^42 and, with entropy, sw = w 2^42
+   (w = e (-d)), +0 where a column is not a term; all_valid: every valid8 lane is set. */
+ELP_INLINE void limb_terms(const vf y8[V8], const vi valid8[V8], vd m, vd sv[V4], vd sw[V4],
+                           const int entropy, const int all_valid) {
+    if (!entropy) {
+        scaled_term_exps(y8, valid8, m, sv, all_valid);
+        return;
+    }
+    vd e[V4], dz[V4];
+    term_exps(y8, valid8, m, e, dz);
+    for (int i = 0; i < V4; ++i) {
+        sv[i] = e[i] * ELP_LIMB_SCALE;
+        sw[i] = (e[i] * (-dz[i])) * ELP_LIMB_SCALE;
+    }
+}
+
 /* Add LANES columns to the row sums (contract.partials); all_valid: every valid8 lane is
    set. */
 ELP_INLINE void partials_step(const vf y8[V8], const vi valid8[V8], vd m, row_sums *s,
                               const int entropy, const int all_valid) {
-    vd sv[V4];
-    if (entropy) {
-        vd e[V4], dz[V4], sw[V4];
-        term_exps(y8, valid8, m, e, dz);
-        for (int i = 0; i < V4; ++i) {
-            sv[i] = e[i] * ELP_LIMB_SCALE;
-            sw[i] = (e[i] * (-dz[i])) * ELP_LIMB_SCALE;
-        }
-        quantize_add(sw, &s->w_hi, &s->w_lo);
-    } else {
-        scaled_term_exps(y8, valid8, m, sv, all_valid);
-    }
+    vd sv[V4], sw[V4];
+    limb_terms(y8, valid8, m, sv, sw, entropy, all_valid);
     quantize_add(sv, &s->e_hi, &s->e_lo);
+    if (entropy) quantize_add(sw, &s->w_hi, &s->w_lo);
     for (int q = 0; q < V8; ++q) count_nonfinite(y8[q], valid8[q], all_valid, &s->nonfinite);
 }
 
@@ -1091,19 +1104,10 @@ ELP_INLINE void sum_values(const row_view *v, const uint16_t *vals, int64_t n,
         load_whole(&w, 0, dtype, y8, valid8);
     else
         load_step(&w, 0, n, dtype, y8, valid8);
-    vd sv[V4];
-    if (entropy) {
-        vd e[V4], dz[V4], sw[V4];
-        term_exps(y8, valid8, m, e, dz);
-        for (int i = 0; i < V4; ++i) {
-            sv[i] = e[i] * ELP_LIMB_SCALE;
-            sw[i] = (e[i] * (-dz[i])) * ELP_LIMB_SCALE;
-        }
-        add_counted(c, sw, &t->w_hi, &t->w_lo);
-    } else {
-        scaled_term_exps(y8, valid8, m, sv, whole);
-    }
+    vd sv[V4], sw[V4];
+    limb_terms(y8, valid8, m, sv, sw, entropy, whole);
     add_counted(c, sv, &t->e_hi, &t->e_lo);
+    if (entropy) add_counted(c, sw, &t->w_hi, &t->w_lo);
     for (int q = 0; q < V8; ++q) t->nonfinite += (vu)nonfinite_lanes(y8[q], valid8[q]) & c32[q];
 }
 
@@ -1164,12 +1168,8 @@ ELP_INLINE void table_sums(const row_view *v, const uint16_t *keys, const int st
     for (int64_t i = 0; i < n; i += LANES)
         sum_values(v, sc->done + i, min64(LANES, n - i), count + i, m, &t, vdtype, entropy);
     memset(count, 0, n * sizeof *count); /* all-zero again */
-    union {
-        double d;
-        uint64_t u;
-    } magic = {ELP_MAGIC};
     /* the counts sum to `kept` (checked above where a uint16 count could have wrapped) */
-    uint64_t offset = (uint64_t)kept * magic.u; /* modulo 2^64, as the sums */
+    uint64_t offset = (uint64_t)kept * magic_bits(); /* modulo 2^64, as the sums */
     total[0] = lanes_u64(t.e_hi) - offset;
     total[1] = lanes_u64(t.e_lo) - offset;
     total[2] = lanes_u64(t.w_hi) - (entropy ? offset : 0);
