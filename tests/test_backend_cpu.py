@@ -425,6 +425,38 @@ def test_value_counts_at_and_past_the_uint16_wrap(cpu, ref, dtype, isa):
             assert_bitwise_equal(getattr(fused[2], field), getattr(expected[2], field), field)
 
 
+@pytest.mark.parametrize("isa", ["native", "avx2", "baseline"])
+def test_fp16_value_counts_at_and_past_the_uint8_wrap(ref, isa):
+    """fp16 rows are counted in uint8 first: a value in 255, 256, 257 and 512 columns (a
+    count of 256 wraps to 0), and one kept in exactly 256 of its 300 columns; the row is
+    counted again in uint16, and so are the thread's next 64 rows at once (rows 1-64
+    here), then uint8 again (rows 65-69, row 67 wraps again). Every row matches the
+    reference, with and without the keep mask, in the passes and the fused forward, on
+    each build's listing of the counts (one thread: the rows run in order)."""
+    from exactlogp.backends.cpu import CpuBackend
+
+    if isa == "avx2" and cpu_build.default_isa() == "baseline":
+        pytest.skip("this CPU has no AVX2")
+    cpu = CpuBackend(num_threads=1, isa=None if isa == "native" else isa, value_tables="always")
+    n_rows, width = 70, 3000
+    x, target = llm_like_logits(n_rows, width, torch.float16, seed=13)
+    repeats = {0: (256, 1.5), 3: (255, 2.0), 30: (257, -1.25), 64: (512, 0.5), 67: (256, 3.0)}
+    for row, (count, value) in repeats.items():
+        x[row, 100 : 100 + count] = value
+    keep = torch.ones(n_rows, width, dtype=torch.bool)
+    x[5, 200:500] = 0.375
+    keep[5, 200:244] = False  # row 5: 0.375 kept in exactly 256 columns
+    keep[torch.arange(n_rows), target] = True
+    plan = ShardPlan(0, None, -100, True)
+    for mask in (None, keep):
+        _assert_passes_equal(_passes(cpu, x, target, 1.0, mask, plan),
+                             _passes(ref, x, target, 1.0, mask, plan), f"uint8 wrap {isa}")  # fmt: skip
+        fused = cpu.forward_unsharded(x, target, 1.0, mask, plan)
+        expected = ref.forward_unsharded(x, target, 1.0, mask, plan)
+        assert_bitwise_equal(fused[0], expected[0], "fused row max")
+        assert_bitwise_equal(fused[1], expected[1], "fused record")
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_value_tables_on_rows_of_one_sign_one_value_and_extreme_magnitudes(cpu, ref, dtype):
     """Rows whose values fill few, far-apart slots of the value table: one sign only, one
