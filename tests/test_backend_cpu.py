@@ -352,6 +352,43 @@ def test_record_of_every_pass_with_and_without_entropy(cpu, ref, dtype, with_ent
             assert not expected[:, contract.COL_W_HI : contract.COL_W_LO + 1].any()
 
 
+@pytest.mark.parametrize("isa", ["native", "avx2", "baseline"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_fused_forward_counts_every_non_finite_column(cpu, ref, dtype, isa):
+    """The fused forward skips counting NaN / +inf columns in the whole steps of a row
+    whose max pass saw none: rows with one NaN or one +inf in a whole step or in the last
+    (short) step, several of them, a masked-out NaN, -inf only (not counted), and none;
+    the record's count column and the rest match the reference on every build."""
+    from exactlogp.backends.cpu import CpuBackend
+
+    if isa == "avx2" and cpu_build.default_isa() == "baseline":
+        pytest.skip("this CPU has no AVX2")
+    if isa != "native":
+        cpu = CpuBackend(isa=isa, value_tables=cpu.value_tables)
+    width = 5003  # the last step is short on every build
+    x, target = llm_like_logits(8, width, dtype, seed=21)
+    nan, inf = float("nan"), float("inf")
+    x[0, 1000] = nan  # a whole step
+    x[1, 2001] = inf
+    x[2, width - 2] = nan  # the last step
+    x[3, width - 1] = inf
+    x[4, 7::500] = nan
+    x[4, 9::700] = inf
+    x[5, 300] = nan  # masked out below
+    x[6, 40::3] = -inf
+    keep = torch.ones(8, width, dtype=torch.bool)
+    keep[5, 300] = False
+    target = target.clamp(max=width - 3)
+    plan = ShardPlan(0, None, -100, False)
+    for mask, bad_rows in ((None, 6), (keep, 5)):
+        expected = ref.forward_unsharded(x, target, 1.0, mask, plan)
+        fused = cpu.forward_unsharded(x, target, 1.0, mask, plan)
+        assert_bitwise_equal(fused[0], expected[0], "fused row max")
+        assert_bitwise_equal(fused[1], expected[1], "fused record")
+        counted = (expected[1][:, contract.COL_NONFINITE] != 0).tolist()
+        assert counted == [True] * bad_rows + [False] * (8 - bad_rows)
+
+
 # --- value tables: counts, many distinct values, the automatic choice ---
 
 

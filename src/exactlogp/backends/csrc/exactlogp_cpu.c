@@ -529,12 +529,13 @@ ELP_INLINE void limb_terms(const vf y8[V8], const vi valid8[V8], vd m, vd sv[V4]
 /* Add LANES columns to the row sums (contract.partials); all_valid: every valid8 lane is
    set. */
 ELP_INLINE void partials_step(const vf y8[V8], const vi valid8[V8], vd m, row_sums *s,
-                              const int entropy, const int all_valid) {
+                              const int entropy, const int all_valid, const int count_bad) {
     vd sv[V4], sw[V4];
     limb_terms(y8, valid8, m, sv, sw, entropy, all_valid);
     quantize_add(sv, &s->e_hi, &s->e_lo);
     if (entropy) quantize_add(sw, &s->w_hi, &s->w_lo);
-    for (int q = 0; q < V8; ++q) count_nonfinite(y8[q], valid8[q], all_valid, &s->nonfinite);
+    if (count_bad)
+        for (int q = 0; q < V8; ++q) count_nonfinite(y8[q], valid8[q], all_valid, &s->nonfinite);
 }
 
 typedef struct {
@@ -717,15 +718,19 @@ ELP_INLINE void load_whole(const row_view *v, int64_t j, const int dtype, vf y[V
 /* --- 2. row max over the real, kept columns; NaN and +inf do not take part --- */
 
 /* best = the larger of best and y, lane by lane, over the valid lanes whose y is not NaN
-   or +inf */
-ELP_INLINE void max_step(const vf y[V8], const vi valid[V8], vf best[V8]) {
+   or +inf; bad (unless NULL) |= those lanes that are */
+ELP_INLINE void max_step(const vf y[V8], const vi valid[V8], vf best[V8], vi *bad) {
     for (int q = 0; q < V8; ++q) {
-        vf cand = selectf(valid[q] & (y[q] < __builtin_inff()), y[q], splatf(-__builtin_inff()));
+        vi finite = y[q] < __builtin_inff();
+        vf cand = selectf(valid[q] & finite, y[q], splatf(-__builtin_inff()));
         best[q] = selectf(cand > best[q], cand, best[q]);
+        if (bad) *bad |= valid[q] & ~finite;
     }
 }
 
-ELP_INLINE float view_max(const row_view *v, const int dtype) {
+/* The row max of v; *any_bad (unless NULL) = whether a valid column is NaN or +inf. */
+ELP_INLINE float view_max_checked(const row_view *v, const int dtype, int *any_bad) {
+    vi bad = {0};
     vf best[V8];
     for (int q = 0; q < V8; ++q) best[q] = splatf(-__builtin_inff());
     const int64_t whole = whole_steps_end(v);
@@ -734,18 +739,26 @@ ELP_INLINE float view_max(const row_view *v, const int dtype) {
         vf y[V8];
         vi valid[V8];
         load_whole(v, j, dtype, y, valid);
-        max_step(y, valid, best);
+        max_step(y, valid, best, any_bad ? &bad : NULL);
     }
     for (; j < v->n_real; j += LANES) {
         vf y[V8];
         vi valid[V8];
         load_step(v, j, v->n_real, dtype, y, valid);
-        max_step(y, valid, best);
+        max_step(y, valid, best, any_bad ? &bad : NULL);
     }
     float out = -__builtin_inff();
     for (int q = 0; q < V8; ++q)
         for (int i = 0; i < FW; ++i) out = best[q][i] > out ? best[q][i] : out;
+    if (any_bad) {
+        *any_bad = 0;
+        for (int i = 0; i < FW; ++i) *any_bad |= bad[i] != 0;
+    }
     return out;
+}
+
+ELP_INLINE float view_max(const row_view *v, const int dtype) {
+    return view_max_checked(v, dtype, NULL);
 }
 
 /* --- 3-5. the exact row record --- */
@@ -773,10 +786,11 @@ ELP_INLINE void write_record(int64_t *out, const row_view *v, const uint64_t tot
 }
 
 /* One step of direct_sums at column j: prefetch the next row's bytes, load (whole: a
-   whole step, see load_whole), add to the sums, flush every FLUSH_STEPS steps. */
+   whole step, see load_whole), add to the sums (and count the non-finite lanes, with
+   count_bad), flush every FLUSH_STEPS steps. */
 ELP_INLINE void direct_step(const row_view *v, int64_t j, const char *ahead, vd m,
                             row_sums *sums, int64_t *steps, const int dtype, const int entropy,
-                            const int whole) {
+                            const int whole, const int count_bad) {
     vf y[V8];
     vi valid[V8];
     if (ahead)
@@ -786,7 +800,7 @@ ELP_INLINE void direct_step(const row_view *v, int64_t j, const char *ahead, vd 
         load_whole(v, j, dtype, y, valid);
     else
         load_step(v, j, v->n_real, dtype, y, valid);
-    partials_step(y, valid, m, sums, entropy, whole);
+    partials_step(y, valid, m, sums, entropy, whole, count_bad);
     if (++*steps == FLUSH_STEPS) {
         flush(sums, *steps, entropy);
         *steps = 0;
@@ -797,19 +811,25 @@ ELP_INLINE void direct_step(const row_view *v, int64_t j, const char *ahead, vd 
    is the row this thread takes next, as many bytes long as this one: it is prefetched
    into the L2 cache alongside, so that the next row's max pass reads it from there and
    not from memory (this loop is compute-bound; the max pass would be memory-bound). A
-   prefetch is a hint: it changes no result. */
+   prefetch is a hint: it changes no result. With may_be_bad == 0 (the max pass saw no
+   valid NaN or +inf in the row) the whole steps do not count non-finite lanes: there are
+   none to count. */
 ELP_INLINE void direct_sums(const row_view *v, float row_max, uint64_t total[4],
-                            int64_t *nonfinite, const char *ahead, const int dtype,
-                            const int entropy) {
+                            int64_t *nonfinite, const char *ahead, const int may_be_bad,
+                            const int dtype, const int entropy) {
     vd m = splatd((double)row_max);
     row_sums sums;
     memset(&sums, 0, sizeof sums);
     const int64_t whole = whole_steps_end(v);
     int64_t steps = 0, j = 0;
-    for (; j < whole; j += LANES)
-        direct_step(v, j, ahead, m, &sums, &steps, dtype, entropy, 1);
+    if (may_be_bad)
+        for (; j < whole; j += LANES)
+            direct_step(v, j, ahead, m, &sums, &steps, dtype, entropy, 1, 1);
+    else
+        for (; j < whole; j += LANES)
+            direct_step(v, j, ahead, m, &sums, &steps, dtype, entropy, 1, 0);
     for (; j < v->n_real; j += LANES)
-        direct_step(v, j, ahead, m, &sums, &steps, dtype, entropy, 0);
+        direct_step(v, j, ahead, m, &sums, &steps, dtype, entropy, 0, 1);
     flush(&sums, steps, entropy);
     for (int i = 0; i < 4; ++i) total[i] = sums.total[i];
     *nonfinite = 0;
@@ -1290,8 +1310,9 @@ ELP_INLINE void row_sums_of(const elp_shard *s, const row_view *v, const int has
         table_sums(v, keys, stride, has_max, row_max, sc, total, nonfinite, vdtype, entropy);
         return;
     }
-    if (!has_max) *row_max = view_max(v, dtype);
-    direct_sums(v, *row_max, total, nonfinite, ahead, dtype, entropy);
+    int may_be_bad = 1;
+    if (!has_max) *row_max = view_max_checked(v, dtype, &may_be_bad);
+    direct_sums(v, *row_max, total, nonfinite, ahead, may_be_bad, dtype, entropy);
 }
 
 /* slot[vals[i]] = FILLED | the gradient bits of a non-target column holding vals[i]. */
