@@ -389,6 +389,40 @@ def test_fused_forward_counts_every_non_finite_column(cpu, ref, dtype, isa):
         assert counted == [True] * bad_rows + [False] * (8 - bad_rows)
 
 
+@pytest.mark.parametrize("isa", ["native", "avx2", "baseline"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_fused_forward_at_the_cutoff(cpu, ref, dtype, isa):
+    """The fused forward compares no lane against CUTOFF in the whole steps of a row whose
+    smallest y is at most -CUTOFF below its max: rows whose smallest d is exactly CUTOFF
+    (a term), the next value below it (not a term; it would quantize to 0 either way), a
+    -inf column and one 30000 below the max (neither may reach exp_c: its result there
+    is not a small number), and a temperature that moves a row across; each matches the
+    reference on every build."""
+    from exactlogp.backends.cpu import CpuBackend
+
+    if isa == "avx2" and cpu_build.default_isa() == "baseline":
+        pytest.skip("this CPU has no AVX2")
+    if isa != "native":
+        cpu = CpuBackend(isa=isa, value_tables=cpu.value_tables)
+    width = 4099
+    x, target = llm_like_logits(5, width, torch.float32, seed=23)
+    x = x.clamp(-40.0, 20.0)
+    x[:, 0] = 20.0  # the max: d of a column is y - 20
+    x[0, 2000] = 20.0 + contract.CUTOFF  # d = CUTOFF exactly: a term
+    x[2, 2000] = -float("inf")
+    x[3, 2000] = -60.0  # d = -80 at tau 1, -40 at tau 2
+    x[4, 2000] = -30000.0
+    x = x.to(dtype)
+    edge = torch.tensor(20.0 + contract.CUTOFF, dtype=dtype)
+    x[1, 2000] = torch.nextafter(edge, torch.tensor(-1e9, dtype=dtype))  # the next one down
+    plan = ShardPlan(0, None, -100, False)
+    for tau in (1.0, 2.0, torch.tensor([1.0, 1.0, 1.0, 2.0, 0.5])):
+        expected = ref.forward_unsharded(x, target, tau, None, plan)
+        fused = cpu.forward_unsharded(x, target, tau, None, plan)
+        assert_bitwise_equal(fused[0], expected[0], "fused row max")
+        assert_bitwise_equal(fused[1], expected[1], "fused record")
+
+
 # --- value tables: counts, many distinct values, the automatic choice ---
 
 

@@ -436,39 +436,51 @@ ELP_INLINE void widen(const vf y8[V8], const vi valid8[V8], vd y[V4], vl valid[V
     }
 }
 
-/* d = y - M; term = valid & CUTOFF <= d <= 0 (NaN, +-inf fail a compare); dz = term ? d : 0 */
-ELP_INLINE void terms(const vd y[V4], const vl valid[V4], vd m, vl term[V4], vd dz[V4]) {
+/* d = y - M; term = valid & CUTOFF <= d <= 0 (NaN, +-inf fail a compare); dz = term ? d : 0.
+   all_terms: the caller knows every lane is a term (see direct_sums): no compares. */
+ELP_INLINE void terms(const vd y[V4], const vl valid[V4], vd m, vl term[V4], vd dz[V4],
+                      const int all_terms) {
     for (int i = 0; i < V4; ++i) {
         vd d = y[i] - m;
-        term[i] = valid[i] & (d >= ELP_CUTOFF) & (d <= 0.0);
-        dz[i] = andd(term[i], d);
+        term[i] = all_terms ? ~(vl){0} : valid[i] & (d >= ELP_CUTOFF) & (d <= 0.0);
+        dz[i] = all_terms ? d : andd(term[i], d);
     }
 }
 
 /* e of LANES columns, +0 where a column is not a term, and dz (contract stages 2-3). */
-ELP_INLINE void term_exps(const vf y8[V8], const vi valid8[V8], vd m, vd e[V4], vd dz[V4]) {
+ELP_INLINE void term_exps(const vf y8[V8], const vi valid8[V8], vd m, vd e[V4], vd dz[V4],
+                          const int all_terms) {
     vd y[V4];
     vl valid[V4], term[V4];
     widen(y8, valid8, y, valid);
-    terms(y, valid, m, term, dz);
+    terms(y, valid, m, term, dz, all_terms);
     exp_c(dz, e, 0);
-    for (int i = 0; i < V4; ++i) e[i] = andd(term[i], e[i]);
+    if (!all_terms)
+        for (int i = 0; i < V4; ++i) e[i] = andd(term[i], e[i]);
 }
 
 ELP_INLINE vi nonfinite_lanes(vf y, vi valid) { return valid & ~(y < __builtin_inff()); }
 
 /* e 2^42 of LANES columns, +0 where a column is not a term (contract stages 2-3 and the
    scaling that starts quantize; exp_c scales by 2^42 for free); all_valid: every valid8
-   lane is set. The AVX-512 build keeps the term masks in mask registers (a compare chain
-   under the valid lanes, a zeroing move for dz, a zeroing add for the exponent): the same
-   operations on the same lanes. */
+   lane is set; all_terms: every lane is a term (see terms). The AVX-512 build keeps the
+   term masks in mask registers (a compare chain under the valid lanes, a zeroing move for
+   dz, a zeroing add for the exponent): the same operations on the same lanes. */
 ELP_INLINE void scaled_term_exps(const vf y8[V8], const vi valid8[V8], vd m, vd sv[V4],
-                                 const int all_valid) {
+                                 const int all_valid, const int all_terms) {
     vd dz[V4];
 #if defined(__AVX512F__)
     vd tp[V4];
     vul kb[V4];
     __mmask8 term[V4];
+    if (all_terms) {
+        for (int q = 0; q < V8; ++q) {
+            dz[2 * q] = widen_lo(y8[q]) - m;
+            dz[2 * q + 1] = widen_hi(y8[q]) - m;
+        }
+        exp_c(dz, sv, ELP_FRAC_BITS);
+        return;
+    }
     for (int q = 0; q < V8; ++q) {
         __mmask16 ok = all_valid ? (__mmask16)0xFFFF
                                  : _mm512_test_epi32_mask((__m512i)valid8[q], (__m512i)valid8[q]);
@@ -490,9 +502,10 @@ ELP_INLINE void scaled_term_exps(const vf y8[V8], const vi valid8[V8], vd m, vd 
     vd y[V4];
     vl valid[V4], term[V4];
     widen(y8, valid8, y, valid);
-    terms(y, valid, m, term, dz);
+    terms(y, valid, m, term, dz, all_terms);
     exp_c(dz, sv, ELP_FRAC_BITS);
-    for (int i = 0; i < V4; ++i) sv[i] = andd(term[i], sv[i]);
+    if (!all_terms)
+        for (int i = 0; i < V4; ++i) sv[i] = andd(term[i], sv[i]);
 #endif
 }
 
@@ -511,15 +524,16 @@ ELP_INLINE void count_nonfinite(vf y, vi valid, const int all_valid, vi *acc) {
 }
 
 /* What quantize takes of LANES columns: sv = e 2^42 and, with entropy, sw = w 2^42
-   (w = e (-d)), +0 where a column is not a term; all_valid: every valid8 lane is set. */
+   (w = e (-d)), +0 where a column is not a term; all_valid: every valid8 lane is set;
+   all_terms: every lane is a term. */
 ELP_INLINE void limb_terms(const vf y8[V8], const vi valid8[V8], vd m, vd sv[V4], vd sw[V4],
-                           const int entropy, const int all_valid) {
+                           const int entropy, const int all_valid, const int all_terms) {
     if (!entropy) {
-        scaled_term_exps(y8, valid8, m, sv, all_valid);
+        scaled_term_exps(y8, valid8, m, sv, all_valid, all_terms);
         return;
     }
     vd e[V4], dz[V4];
-    term_exps(y8, valid8, m, e, dz);
+    term_exps(y8, valid8, m, e, dz, all_terms);
     for (int i = 0; i < V4; ++i) {
         sv[i] = e[i] * ELP_LIMB_SCALE;
         sw[i] = (e[i] * (-dz[i])) * ELP_LIMB_SCALE;
@@ -527,11 +541,13 @@ ELP_INLINE void limb_terms(const vf y8[V8], const vi valid8[V8], vd m, vd sv[V4]
 }
 
 /* Add LANES columns to the row sums (contract.partials); all_valid: every valid8 lane is
-   set. */
+   set; all_terms: every lane is a term; count_bad: count the NaN and +inf lanes (where
+   there may be some). */
 ELP_INLINE void partials_step(const vf y8[V8], const vi valid8[V8], vd m, row_sums *s,
-                              const int entropy, const int all_valid, const int count_bad) {
+                              const int entropy, const int all_valid, const int all_terms,
+                              const int count_bad) {
     vd sv[V4], sw[V4];
-    limb_terms(y8, valid8, m, sv, sw, entropy, all_valid);
+    limb_terms(y8, valid8, m, sv, sw, entropy, all_valid, all_terms);
     quantize_add(sv, &s->e_hi, &s->e_lo);
     if (entropy) quantize_add(sw, &s->w_hi, &s->w_lo);
     if (count_bad)
@@ -548,7 +564,7 @@ typedef struct {
 ELP_INLINE void grad_terms(const vf y8[V8], const vi valid8[V8], const grad_row *g,
                            const int entropy, vd e[V4], vd p[V4], vd bq[V4]) {
     vd dz[V4];
-    term_exps(y8, valid8, g->m, e, dz);
+    term_exps(y8, valid8, g->m, e, dz, 0);
     for (int i = 0; i < V4; ++i) {
         p[i] = e[i] / g->s_hi;
         if (entropy) bq[i] = g->b * ((dz[i] - g->log_s) + g->h);
@@ -717,20 +733,34 @@ ELP_INLINE void load_whole(const row_view *v, int64_t j, const int dtype, vf y[V
 
 /* --- 2. row max over the real, kept columns; NaN and +inf do not take part --- */
 
+/* What the fused forward's max pass also finds of a row: whether a valid column is NaN or
+   +inf, and the smallest valid y (meaningful where none is). */
+typedef struct {
+    int bad;
+    float low;
+} row_scan;
+
 /* best = the larger of best and y, lane by lane, over the valid lanes whose y is not NaN
-   or +inf; bad (unless NULL) |= those lanes that are */
-ELP_INLINE void max_step(const vf y[V8], const vi valid[V8], vf best[V8], vi *bad) {
+   or +inf; with `scan`, bad |= the valid lanes that are, low = the smaller of low and the
+   valid y (a NaN lane leaves it as it is: then bad is set) */
+ELP_INLINE void max_step(const vf y[V8], const vi valid[V8], vf best[V8], vi *bad, vf low[V8]) {
     for (int q = 0; q < V8; ++q) {
         vi finite = y[q] < __builtin_inff();
         vf cand = selectf(valid[q] & finite, y[q], splatf(-__builtin_inff()));
         best[q] = selectf(cand > best[q], cand, best[q]);
-        if (bad) *bad |= valid[q] & ~finite;
+        if (bad) {
+            *bad |= valid[q] & ~finite;
+            vf lc = selectf(valid[q], y[q], splatf(__builtin_inff()));
+            low[q] = selectf(lc < low[q], lc, low[q]);
+        }
     }
 }
 
-/* The row max of v; *any_bad (unless NULL) = whether a valid column is NaN or +inf. */
-ELP_INLINE float view_max_checked(const row_view *v, const int dtype, int *any_bad) {
+/* The row max of v, and with `scan` (unless NULL) what else it found (see row_scan). */
+ELP_INLINE float view_max_checked(const row_view *v, const int dtype, row_scan *scan) {
     vi bad = {0};
+    vf low[V8];
+    for (int q = 0; q < V8; ++q) low[q] = splatf(__builtin_inff());
     vf best[V8];
     for (int q = 0; q < V8; ++q) best[q] = splatf(-__builtin_inff());
     const int64_t whole = whole_steps_end(v);
@@ -739,20 +769,23 @@ ELP_INLINE float view_max_checked(const row_view *v, const int dtype, int *any_b
         vf y[V8];
         vi valid[V8];
         load_whole(v, j, dtype, y, valid);
-        max_step(y, valid, best, any_bad ? &bad : NULL);
+        max_step(y, valid, best, scan ? &bad : NULL, low);
     }
     for (; j < v->n_real; j += LANES) {
         vf y[V8];
         vi valid[V8];
         load_step(v, j, v->n_real, dtype, y, valid);
-        max_step(y, valid, best, any_bad ? &bad : NULL);
+        max_step(y, valid, best, scan ? &bad : NULL, low);
     }
     float out = -__builtin_inff();
     for (int q = 0; q < V8; ++q)
         for (int i = 0; i < FW; ++i) out = best[q][i] > out ? best[q][i] : out;
-    if (any_bad) {
-        *any_bad = 0;
-        for (int i = 0; i < FW; ++i) *any_bad |= bad[i] != 0;
+    if (scan) {
+        scan->bad = 0;
+        scan->low = __builtin_inff();
+        for (int i = 0; i < FW; ++i) scan->bad |= bad[i] != 0;
+        for (int q = 0; q < V8; ++q)
+            for (int i = 0; i < FW; ++i) scan->low = low[q][i] < scan->low ? low[q][i] : scan->low;
     }
     return out;
 }
@@ -786,11 +819,11 @@ ELP_INLINE void write_record(int64_t *out, const row_view *v, const uint64_t tot
 }
 
 /* One step of direct_sums at column j: prefetch the next row's bytes, load (whole: a
-   whole step, see load_whole), add to the sums (and count the non-finite lanes, with
+   whole step, see load_whole), add to the sums (see partials_step for all_terms and
    count_bad), flush every FLUSH_STEPS steps. */
 ELP_INLINE void direct_step(const row_view *v, int64_t j, const char *ahead, vd m,
                             row_sums *sums, int64_t *steps, const int dtype, const int entropy,
-                            const int whole, const int count_bad) {
+                            const int whole, const int all_terms, const int count_bad) {
     vf y[V8];
     vi valid[V8];
     if (ahead)
@@ -800,7 +833,7 @@ ELP_INLINE void direct_step(const row_view *v, int64_t j, const char *ahead, vd 
         load_whole(v, j, dtype, y, valid);
     else
         load_step(v, j, v->n_real, dtype, y, valid);
-    partials_step(y, valid, m, sums, entropy, whole, count_bad);
+    partials_step(y, valid, m, sums, entropy, whole, all_terms, count_bad);
     if (++*steps == FLUSH_STEPS) {
         flush(sums, *steps, entropy);
         *steps = 0;
@@ -811,25 +844,30 @@ ELP_INLINE void direct_step(const row_view *v, int64_t j, const char *ahead, vd 
    is the row this thread takes next, as many bytes long as this one: it is prefetched
    into the L2 cache alongside, so that the next row's max pass reads it from there and
    not from memory (this loop is compute-bound; the max pass would be memory-bound). A
-   prefetch is a hint: it changes no result. With may_be_bad == 0 (the max pass saw no
-   valid NaN or +inf in the row) the whole steps do not count non-finite lanes: there are
-   none to count. */
+   prefetch is a hint: it changes no result. With `scan` (the fused forward's max pass
+   found row_max; else NULL), the whole steps skip what the scan shows they need not do:
+   where no valid column is NaN or +inf there are none to count; and where besides
+   fl(low - M) >= CUTOFF, every lane is a term (y <= M gives d <= 0, and rounding is
+   monotonic: d = fl(y - M) >= fl(low - M)), so no lane need be compared. */
 ELP_INLINE void direct_sums(const row_view *v, float row_max, uint64_t total[4],
-                            int64_t *nonfinite, const char *ahead, const int may_be_bad,
+                            int64_t *nonfinite, const char *ahead, const row_scan *scan,
                             const int dtype, const int entropy) {
     vd m = splatd((double)row_max);
     row_sums sums;
     memset(&sums, 0, sizeof sums);
     const int64_t whole = whole_steps_end(v);
     int64_t steps = 0, j = 0;
-    if (may_be_bad)
+    if (!scan || scan->bad)
         for (; j < whole; j += LANES)
-            direct_step(v, j, ahead, m, &sums, &steps, dtype, entropy, 1, 1);
+            direct_step(v, j, ahead, m, &sums, &steps, dtype, entropy, 1, 0, 1);
+    else if ((double)scan->low - (double)row_max >= ELP_CUTOFF)
+        for (; j < whole; j += LANES)
+            direct_step(v, j, ahead, m, &sums, &steps, dtype, entropy, 1, 1, 0);
     else
         for (; j < whole; j += LANES)
-            direct_step(v, j, ahead, m, &sums, &steps, dtype, entropy, 1, 0);
+            direct_step(v, j, ahead, m, &sums, &steps, dtype, entropy, 1, 0, 0);
     for (; j < v->n_real; j += LANES)
-        direct_step(v, j, ahead, m, &sums, &steps, dtype, entropy, 0, 1);
+        direct_step(v, j, ahead, m, &sums, &steps, dtype, entropy, 0, 0, 1);
     flush(&sums, steps, entropy);
     for (int i = 0; i < 4; ++i) total[i] = sums.total[i];
     *nonfinite = 0;
@@ -1199,7 +1237,7 @@ ELP_INLINE void sum_values(const row_view *v, const uint16_t *vals, int64_t n,
     else
         load_step(&w, 0, n, dtype, y8, valid8);
     vd sv[V4], sw[V4];
-    limb_terms(y8, valid8, m, sv, sw, entropy, whole);
+    limb_terms(y8, valid8, m, sv, sw, entropy, whole, 0);
     add_counted(c, sv, &t->e_hi, &t->e_lo);
     if (entropy) add_counted(c, sw, &t->w_hi, &t->w_lo);
     for (int q = 0; q < V8; ++q) t->nonfinite += (vu)nonfinite_lanes(y8[q], valid8[q]) & c32[q];
@@ -1310,9 +1348,9 @@ ELP_INLINE void row_sums_of(const elp_shard *s, const row_view *v, const int has
         table_sums(v, keys, stride, has_max, row_max, sc, total, nonfinite, vdtype, entropy);
         return;
     }
-    int may_be_bad = 1;
-    if (!has_max) *row_max = view_max_checked(v, dtype, &may_be_bad);
-    direct_sums(v, *row_max, total, nonfinite, ahead, may_be_bad, dtype, entropy);
+    row_scan scan;
+    if (!has_max) *row_max = view_max_checked(v, dtype, &scan);
+    direct_sums(v, *row_max, total, nonfinite, ahead, has_max ? NULL : &scan, dtype, entropy);
 }
 
 /* slot[vals[i]] = FILLED | the gradient bits of a non-target column holding vals[i]. */
