@@ -423,6 +423,41 @@ def test_fused_forward_at_the_cutoff(cpu, ref, dtype, isa):
         assert_bitwise_equal(fused[1], expected[1], "fused record")
 
 
+@pytest.mark.parametrize("isa", ["native", "avx2", "baseline"])
+def test_fp32_rows_of_bf16_values_and_nearly(cpu, ref, isa):
+    """fp32 rows are checked for bf16 values on their first 64 columns, and the rest as
+    they are counted by their high halves: rows all bf16, one with a single value that is
+    not bf16 late in the row (it is counted, then goes to the direct loops), the same
+    value in a masked-out column, one in the first 64 columns, and one in the last
+    column. Each matches the reference, in partials and the fused forward, on every
+    build."""
+    from exactlogp.backends.cpu import CpuBackend
+
+    if isa == "avx2" and cpu_build.default_isa() == "baseline":
+        pytest.skip("this CPU has no AVX2")
+    if isa != "native":
+        cpu = CpuBackend(isa=isa, value_tables=cpu.value_tables)
+    width = 20000
+    x, target = llm_like_logits(5, width, torch.bfloat16, seed=31)
+    x = x.float()
+    off = 1.0 + 2.0**-20  # not a bf16 value
+    x[1, 15000] = off
+    x[2, 15000] = off
+    x[3, 10] = off
+    x[4, width - 1] = off
+    keep = torch.ones(5, width, dtype=torch.bool)
+    keep[2, 15000] = False
+    keep[torch.arange(5), target] = True
+    plan = ShardPlan(0, None, -100, True)
+    for mask in (None, keep):
+        m = ref.row_max(x, 1.0, mask, plan)
+        expected = ref.partials(x, target, 1.0, mask, m, plan)
+        assert_bitwise_equal(cpu.partials(x, target, 1.0, mask, m, plan), expected, "record")
+        fused = cpu.forward_unsharded(x, target, 1.0, mask, plan)
+        assert_bitwise_equal(fused[0], m, "fused row max")
+        assert_bitwise_equal(fused[1], expected, "fused record")
+
+
 # --- value tables: counts, many distinct values, the automatic choice ---
 
 

@@ -1014,6 +1014,40 @@ typedef uint16_t __attribute__((may_alias)) u16_alias;
     }
 ELP_COUNT_KEYS(count_keys8, uint8_t)
 ELP_COUNT_KEYS(count_keys16, u16_alias)
+
+/* count_keys16 of an fp32 row by the high halves of its values x[j] (kept columns j < n),
+   with *low = the OR of the low halves of every column j < n: the row's values are all
+   bf16 (and the counts those of its bf16 values) if and only if it is zero. One read of
+   the row both checks and counts. */
+ELP_INLINE int64_t count_high_halves(const uint32_t *x, const uint8_t *keep, int64_t n,
+                                     u16_alias *count, uint32_t *low) {
+    uint32_t acc = 0;
+    int64_t kept = n;
+    if (keep) {
+        kept = 0;
+        for (int64_t j = 0; j < n; ++j) {
+            count[x[j] >> 16] += keep[j] != 0;
+            acc |= x[j];
+            kept += keep[j] != 0;
+        }
+    } else {
+        int64_t j = 0;
+        for (; j + 4 <= n; j += 4) {
+            uint32_t w0 = x[j], w1 = x[j + 1], w2 = x[j + 2], w3 = x[j + 3];
+            ++count[w0 >> 16];
+            ++count[w1 >> 16];
+            ++count[w2 >> 16];
+            ++count[w3 >> 16];
+            acc |= w0 | w1 | w2 | w3;
+        }
+        for (; j < n; ++j) {
+            ++count[x[j] >> 16];
+            acc |= x[j];
+        }
+    }
+    *low = acc & 0xFFFFu;
+    return kept;
+}
 ELP_COUNT_KEYS(count_keys32, uint32_t)
 
 /* Compact the counts: afterwards count[0, n) holds the non-zero counts in value order,
@@ -1244,8 +1278,9 @@ ELP_INLINE void sum_values(const row_view *v, const uint16_t *vals, int64_t n,
 }
 
 /* The 16-bit keys of a row for the value-table path, or NULL for the direct loops: the row
-   itself for 16-bit logits, the high halves of an fp32 row whose low halves are all zero
-   (then its values are read as bf16). */
+   itself for 16-bit logits, the high halves of an fp32 row whose first 64 values' low
+   halves are all zero (then its values are read as bf16 if the rest's are too: see
+   count_values). */
 ELP_INLINE const uint16_t *table_keys(const elp_shard *s, const row_view *v,
                                       const value_scratch *sc, const int dtype) {
     if (!sc || s->table_min_cols < 0 || v->n_real < s->table_min_cols ||
@@ -1253,13 +1288,12 @@ ELP_INLINE const uint16_t *table_keys(const elp_shard *s, const row_view *v,
         return NULL;
     if (dtype != ELP_F32) return (const uint16_t *)v->x;
 #if __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+    /* genuine fp32 rows stop here; the rest of the row is checked as it is counted
+       (count_high_halves) */
     const uint32_t *x = (const uint32_t *)v->x;
     uint32_t low = 0;
-    for (int64_t j = 0; j < v->n_real; j += 64) { /* genuine fp32 rows stop at once */
-        for (int64_t k = j; k < min64(j + 64, v->n_real); ++k) low |= x[k];
-        if (low & 0xFFFFu) return NULL;
-    }
-    return (const uint16_t *)v->x + 1;
+    for (int64_t k = 0; k < min64(64, v->n_real); ++k) low |= x[k];
+    return low & 0xFFFFu ? NULL : (const uint16_t *)v->x + 1;
 #else
     return NULL;
 #endif
@@ -1268,7 +1302,9 @@ ELP_INLINE const uint16_t *table_keys(const elp_shard *s, const row_view *v,
 /* Count the columns of row v by value (keys[j * stride] being column j's) and list them:
    afterwards sc->done[0, n) holds the row's distinct values in order, (*counts)[0, n)
    their counts, *kept the columns counted, and every slot and count outside
-   (*counts)[0, n) is zero; returns n. */
+   (*counts)[0, n) is zero; returns n. With stride 2 (the high halves of an fp32 row)
+   it returns -1, and every slot and count is zero, if a low half is not zero: the row is
+   not all bf16 values. */
 ELP_INLINE int64_t count_values(const row_view *v, const uint16_t *keys, const int stride,
                                 value_scratch *sc, const int vdtype, int64_t *kept,
                                 uint32_t **counts) {
@@ -1290,9 +1326,15 @@ ELP_INLINE int64_t count_values(const row_view *v, const uint16_t *keys, const i
         sc->wide_rows = 64;
     }
     u16_alias *count16 = (u16_alias *)sc->slot;
+    uint32_t low = 0;
     *kept = stride == 1 ? count_keys16(keys, 1, v->keep, v->n_real, count16)
-                        : count_keys16(keys, 2, v->keep, v->n_real, count16);
+                        : count_high_halves((const uint32_t *)v->x, v->keep, v->n_real,
+                                            count16, &low);
     int64_t n = list_values16(count16, sc->done, sc->counts);
+    if (low) {
+        memset(sc->counts, 0, n * sizeof *sc->counts);
+        return -1;
+    }
     if (*kept < 65536) return n; /* no count can have wrapped */
     listed = 0;
     for (int64_t i = 0; i < n; ++i) listed += sc->counts[i];
@@ -1308,13 +1350,15 @@ ELP_INLINE int64_t count_values(const row_view *v, const uint16_t *keys, const i
 
 /* Stages 3-5 of a row through its value table, keys[j * stride] being column j's value
    (decoded as vdtype); with has_max == 0, stage 2 too: *row_max becomes the largest y of
-   the values that occur. */
-ELP_INLINE void table_sums(const row_view *v, const uint16_t *keys, const int stride,
+   the values that occur. Returns 0 (having changed nothing) for an fp32 row that turns
+   out not to be all bf16 values, else 1. */
+ELP_INLINE int table_sums(const row_view *v, const uint16_t *keys, const int stride,
                            const int has_max, float *row_max, value_scratch *sc,
                            uint64_t total[4], int64_t *nonfinite, const int vdtype,
                            const int entropy) {
     uint32_t *count;
     int64_t kept, n = count_values(v, keys, stride, sc, vdtype, &kept, &count);
+    if (n < 0) return 0;
     if (!has_max) {
         row_view w = values_view(v, sc->done, n);
         *row_max = view_max(&w, vdtype);
@@ -1334,6 +1378,7 @@ ELP_INLINE void table_sums(const row_view *v, const uint16_t *keys, const int st
     uint64_t nf = 0;
     for (int i = 0; i < FW; ++i) nf += t.nonfinite[i];
     *nonfinite = (int64_t)nf;
+    return 1;
 }
 
 /* The limb sums of row v (with its max given, or found when has_max == 0), through the
@@ -1343,11 +1388,10 @@ ELP_INLINE void row_sums_of(const elp_shard *s, const row_view *v, const int has
                             int64_t *nonfinite, const char *ahead, const int dtype,
                             const int entropy) {
     const uint16_t *keys = table_keys(s, v, sc, dtype);
-    if (keys) {
-        const int vdtype = dtype == ELP_F32 ? ELP_BF16 : dtype, stride = dtype == ELP_F32 ? 2 : 1;
-        table_sums(v, keys, stride, has_max, row_max, sc, total, nonfinite, vdtype, entropy);
+    const int vdtype = dtype == ELP_F32 ? ELP_BF16 : dtype, stride = dtype == ELP_F32 ? 2 : 1;
+    if (keys &&
+        table_sums(v, keys, stride, has_max, row_max, sc, total, nonfinite, vdtype, entropy))
         return;
-    }
     row_scan scan;
     if (!has_max) *row_max = view_max_checked(v, dtype, &scan);
     direct_sums(v, *row_max, total, nonfinite, ahead, has_max ? NULL : &scan, dtype, entropy);
