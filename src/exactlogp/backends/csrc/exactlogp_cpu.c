@@ -29,7 +29,9 @@
  * exactly bf16) take the value-table path (see "value tables" below): the contract is
  * evaluated once per distinct value of the row instead of once per column. When the shard
  * is the whole vocabulary (no TP group), `elp_forward` runs stages 2-7 of each row in one
- * go: the row is read once, and M is the largest of its distinct values.
+ * go: through the tables the row is read once, and M is the largest of its distinct
+ * values; in the direct loops the max pass also finds what lets the sums skip work that
+ * cannot change them (see direct_sums).
  */
 #include <pthread.h>
 #include <stdint.h>
