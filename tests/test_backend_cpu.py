@@ -324,6 +324,26 @@ def test_row_length_past_the_exact_float_flush(cpu, ref):
                          ref.partials(x, target, 1.0, None, m, plan), "record")  # fmt: skip
 
 
+def _assert_fused_equal(cpu, ref, x, target, tau, keep, plan):
+    """The fused forward's row max and record through `cpu` equal the reference's;
+    returns (cpu's, reference's) results."""
+    fused = cpu.forward_unsharded(x, target, tau, keep, plan)
+    expected = ref.forward_unsharded(x, target, tau, keep, plan)
+    assert_bitwise_equal(fused[0], expected[0], "fused row max")
+    assert_bitwise_equal(fused[1], expected[1], "fused record")
+    return fused, expected
+
+
+def _build(isa: str, value_tables: str, **kw):
+    """A CpuBackend of one build: "native" (this CPU's best), "avx2" (skipped on a CPU
+    without it) or "baseline"."""
+    from exactlogp.backends.cpu import CpuBackend
+
+    if isa == "avx2" and cpu_build.default_isa() == "baseline":
+        pytest.skip("this CPU has no AVX2")
+    return CpuBackend(isa=None if isa == "native" else isa, value_tables=value_tables, **kw)
+
+
 @pytest.mark.parametrize("isa", ["native", "avx2", "baseline"])
 @pytest.mark.parametrize("with_entropy", [False, True], ids=["logprob", "entropy"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -332,12 +352,7 @@ def test_record_of_every_pass_with_and_without_entropy(cpu, ref, dtype, with_ent
     of the fused forward, on rows long enough for several flushes of the sums, with and
     without a keep mask (whole steps and masked steps), a temperature and a short last
     step (20003 columns), on every build (AVX-512, AVX2, portable)."""
-    from exactlogp.backends.cpu import CpuBackend
-
-    if isa == "avx2" and cpu_build.default_isa() == "baseline":
-        pytest.skip("this CPU has no AVX2")
-    if isa != "native":
-        cpu = CpuBackend(isa=isa, value_tables=cpu.value_tables)
+    cpu = _build(isa, cpu.value_tables)
     x, target = llm_like_logits(3, 20003, dtype, seed=11)
     keep = torch.rand(3, 20003, generator=torch.Generator().manual_seed(12)) < 0.7
     keep[torch.arange(3), target] = True
@@ -359,12 +374,7 @@ def test_fused_forward_counts_every_non_finite_column(cpu, ref, dtype, isa):
     whose max pass saw none: rows with one NaN or one +inf in a whole step or in the last
     (short) step, several of them, a masked-out NaN, -inf only (not counted), and none;
     the record's count column and the rest match the reference on every build."""
-    from exactlogp.backends.cpu import CpuBackend
-
-    if isa == "avx2" and cpu_build.default_isa() == "baseline":
-        pytest.skip("this CPU has no AVX2")
-    if isa != "native":
-        cpu = CpuBackend(isa=isa, value_tables=cpu.value_tables)
+    cpu = _build(isa, cpu.value_tables)
     width = 5003  # the last step is short on every build
     x, target = llm_like_logits(8, width, dtype, seed=21)
     nan, inf = float("nan"), float("inf")
@@ -381,10 +391,7 @@ def test_fused_forward_counts_every_non_finite_column(cpu, ref, dtype, isa):
     target = target.clamp(max=width - 3)
     plan = ShardPlan(0, None, -100, False)
     for mask, bad_rows in ((None, 6), (keep, 5)):
-        expected = ref.forward_unsharded(x, target, 1.0, mask, plan)
-        fused = cpu.forward_unsharded(x, target, 1.0, mask, plan)
-        assert_bitwise_equal(fused[0], expected[0], "fused row max")
-        assert_bitwise_equal(fused[1], expected[1], "fused record")
+        _, expected = _assert_fused_equal(cpu, ref, x, target, 1.0, mask, plan)
         counted = (expected[1][:, contract.COL_NONFINITE] != 0).tolist()
         assert counted == [True] * bad_rows + [False] * (8 - bad_rows)
 
@@ -398,12 +405,7 @@ def test_fused_forward_at_the_cutoff(cpu, ref, dtype, isa):
     -inf column and one 30000 below the max (neither may reach exp_c: its result there
     is not a small number), and a temperature that moves a row across; each matches the
     reference on every build."""
-    from exactlogp.backends.cpu import CpuBackend
-
-    if isa == "avx2" and cpu_build.default_isa() == "baseline":
-        pytest.skip("this CPU has no AVX2")
-    if isa != "native":
-        cpu = CpuBackend(isa=isa, value_tables=cpu.value_tables)
+    cpu = _build(isa, cpu.value_tables)
     width = 4099
     x, target = llm_like_logits(5, width, torch.float32, seed=23)
     x = x.clamp(-40.0, 20.0)
@@ -417,10 +419,7 @@ def test_fused_forward_at_the_cutoff(cpu, ref, dtype, isa):
     x[1, 2000] = torch.nextafter(edge, torch.tensor(-1e9, dtype=dtype))  # the next one down
     plan = ShardPlan(0, None, -100, False)
     for tau in (1.0, 2.0, torch.tensor([1.0, 1.0, 1.0, 2.0, 0.5])):
-        expected = ref.forward_unsharded(x, target, tau, None, plan)
-        fused = cpu.forward_unsharded(x, target, tau, None, plan)
-        assert_bitwise_equal(fused[0], expected[0], "fused row max")
-        assert_bitwise_equal(fused[1], expected[1], "fused record")
+        _assert_fused_equal(cpu, ref, x, target, tau, None, plan)
 
 
 @pytest.mark.parametrize("isa", ["native", "avx2", "baseline"])
@@ -431,12 +430,7 @@ def test_fp32_rows_of_bf16_values_and_nearly(cpu, ref, isa):
     value in a masked-out column, one in the first 64 columns, and one in the last
     column. Each matches the reference, in partials and the fused forward, on every
     build."""
-    from exactlogp.backends.cpu import CpuBackend
-
-    if isa == "avx2" and cpu_build.default_isa() == "baseline":
-        pytest.skip("this CPU has no AVX2")
-    if isa != "native":
-        cpu = CpuBackend(isa=isa, value_tables=cpu.value_tables)
+    cpu = _build(isa, cpu.value_tables)
     width = 20000
     x, target = llm_like_logits(5, width, torch.bfloat16, seed=31)
     x = x.float()
@@ -501,12 +495,7 @@ def test_value_counts_at_and_past_the_uint16_wrap(cpu, ref, dtype, isa):
     every row is counted again in uint32 where it must be, and matches the reference (fp32
     rows here hold bf16 values, so they take the tables too). Each build's listing of the
     counts (AVX-512, AVX2, portable) runs."""
-    from exactlogp.backends.cpu import CpuBackend
-
-    if isa == "avx2" and cpu_build.default_isa() == "baseline":
-        pytest.skip("this CPU has no AVX2")
-    if isa != "native":
-        cpu = CpuBackend(isa=isa, value_tables=cpu.value_tables)
+    cpu = _build(isa, cpu.value_tables)
     width = 70000
     gen = torch.Generator().manual_seed(8)
     noise = torch.randn(4, width, generator=gen).round() - 3.0
@@ -523,10 +512,7 @@ def test_value_counts_at_and_past_the_uint16_wrap(cpu, ref, dtype, isa):
     for mask in (None, keep):
         _assert_passes_equal(_passes(cpu, x, target, 1.0, mask, plan),
                              _passes(ref, x, target, 1.0, mask, plan), f"{dtype} wrap")  # fmt: skip
-        fused = cpu.forward_unsharded(x, target, 1.0, mask, plan)
-        expected = ref.forward_unsharded(x, target, 1.0, mask, plan)
-        assert_bitwise_equal(fused[0], expected[0], "fused row max")
-        assert_bitwise_equal(fused[1], expected[1], "fused record")
+        fused, expected = _assert_fused_equal(cpu, ref, x, target, 1.0, mask, plan)
         for field in contract.Finalized._fields:
             assert_bitwise_equal(getattr(fused[2], field), getattr(expected[2], field), field)
 
@@ -539,11 +525,7 @@ def test_fp16_value_counts_at_and_past_the_uint8_wrap(ref, isa):
     here), then uint8 again (rows 65-69, row 67 wraps again). Every row matches the
     reference, with and without the keep mask, in the passes and the fused forward, on
     each build's listing of the counts (one thread: the rows run in order)."""
-    from exactlogp.backends.cpu import CpuBackend
-
-    if isa == "avx2" and cpu_build.default_isa() == "baseline":
-        pytest.skip("this CPU has no AVX2")
-    cpu = CpuBackend(num_threads=1, isa=None if isa == "native" else isa, value_tables="always")
+    cpu = _build(isa, "always", num_threads=1)
     n_rows, width = 70, 3000
     x, target = llm_like_logits(n_rows, width, torch.float16, seed=13)
     repeats = {0: (256, 1.5), 3: (255, 2.0), 30: (257, -1.25), 64: (512, 0.5), 67: (256, 3.0)}
@@ -557,10 +539,7 @@ def test_fp16_value_counts_at_and_past_the_uint8_wrap(ref, isa):
     for mask in (None, keep):
         _assert_passes_equal(_passes(cpu, x, target, 1.0, mask, plan),
                              _passes(ref, x, target, 1.0, mask, plan), f"uint8 wrap {isa}")  # fmt: skip
-        fused = cpu.forward_unsharded(x, target, 1.0, mask, plan)
-        expected = ref.forward_unsharded(x, target, 1.0, mask, plan)
-        assert_bitwise_equal(fused[0], expected[0], "fused row max")
-        assert_bitwise_equal(fused[1], expected[1], "fused record")
+        _assert_fused_equal(cpu, ref, x, target, 1.0, mask, plan)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -1052,23 +1052,33 @@ ELP_INLINE int64_t count_high_halves(const uint32_t *x, const uint8_t *keep, int
 }
 ELP_COUNT_KEYS(count_keys32, uint32_t)
 
+#if defined(__AVX512F__)
+/* Append the counts c32 of the values base + [0, 16) whose lanes m holds to out[n, ...)
+   and the values to vals[n, ...); returns the new n. 16 lanes are stored (those past the
+   appended ones as zeros): n + 16 <= base + 16 <= N_VALUES must hold. */
+ELP_INLINE int64_t append_counts(uint32_t *out, uint16_t *vals, int64_t n, __mmask16 m,
+                                 __m512i c32, int64_t base) {
+    const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    __m512i idx = _mm512_add_epi32(lanes, _mm512_set1_epi32((int)base));
+    _mm512_storeu_si512(out + n, _mm512_maskz_compress_epi32(m, c32));
+    _mm256_storeu_si256((__m256i *)(vals + n),
+                        _mm512_cvtepi32_epi16(_mm512_maskz_compress_epi32(m, idx)));
+    return n + __builtin_popcount(m);
+}
+#endif
+
 /* Compact the counts: afterwards count[0, n) holds the non-zero counts in value order,
    vals[0, n) their values, and every other slot is zero again; returns n. Each count moves
    down (n <= its value), so a slot is read before anything is written over it. */
 #if defined(__AVX512F__)
 static int64_t list_values(uint32_t *count, uint16_t *vals) {
     int64_t n = 0;
-    __m512i idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    for (int64_t b = 0; b < N_VALUES; b += 16, idx = _mm512_add_epi32(idx, _mm512_set1_epi32(16))) {
+    for (int64_t b = 0; b < N_VALUES; b += 16) {
         __m512i c = _mm512_loadu_si512(count + b);
         __mmask16 m = _mm512_test_epi32_mask(c, c);
         if (!m) continue;
         _mm512_storeu_si512(count + b, _mm512_setzero_si512());
-        /* n + 16 <= b + 16 <= N_VALUES; the lanes past the non-zero ones store zeros */
-        _mm512_storeu_si512(count + n, _mm512_maskz_compress_epi32(m, c));
-        _mm256_storeu_si256((__m256i *)(vals + n),
-                            _mm512_cvtepi32_epi16(_mm512_maskz_compress_epi32(m, idx)));
-        n += __builtin_popcount(m);
+        n = append_counts(count, vals, n, m, c, b);
     }
     return n;
 }
@@ -1105,12 +1115,38 @@ static int64_t list_values(uint32_t *count, uint16_t *vals) {
 }
 #endif
 
+#if !defined(__AVX2__)
+/* The portable list_values16 (width 2) and list_values8 (width 1); *listed, unless NULL,
+   becomes the counts' sum. */
+ELP_INLINE int64_t list_narrow_counts(void *count, const int width, uint16_t *vals,
+                                      uint32_t *out, uint64_t *listed) {
+    int64_t n = 0;
+    uint64_t total = 0;
+    for (int64_t i = 0; i < N_VALUES; ++i) {
+        uint32_t c;
+        if (width == 1) {
+            c = ((uint8_t *)count)[i];
+            ((uint8_t *)count)[i] = 0;
+        } else {
+            c = ((u16_alias *)count)[i];
+            ((u16_alias *)count)[i] = 0;
+        }
+        total += c;
+        out[n] = c; /* a zero written here is overwritten by the next count */
+        vals[n] = (uint16_t)i;
+        n += c != 0;
+    }
+    out[n] = 0;
+    if (listed) *listed = total;
+    return n;
+}
+#endif
+
 /* list_values of uint16 counts: afterwards count16 is all-zero again, out[0, n) holds the
    non-zero counts in value order (as uint32) and vals[0, n) their values; returns n. */
 #if defined(__AVX512BW__)
 static int64_t list_values16(u16_alias *count16, uint16_t *vals, uint32_t *out) {
     int64_t n = 0;
-    const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     for (int64_t b = 0; b < N_VALUES; b += 32) {
         __m512i c = _mm512_loadu_si512(count16 + b);
         __mmask32 m = _mm512_test_epi16_mask(c, c);
@@ -1119,14 +1155,8 @@ static int64_t list_values16(u16_alias *count16, uint16_t *vals, uint32_t *out) 
         const __m256i halves[2] = {_mm512_castsi512_si256(c), _mm512_extracti64x4_epi64(c, 1)};
         for (int h = 0; h < 2; ++h) {
             __mmask16 mh = (__mmask16)(m >> (16 * h));
-            if (!mh) continue;
-            __m512i c32 = _mm512_cvtepu16_epi32(halves[h]);
-            __m512i idx = _mm512_add_epi32(lanes, _mm512_set1_epi32((int)b + 16 * h));
-            /* n + 16 <= b + 16 h + 16 <= N_VALUES; lanes past the non-zero ones store 0 */
-            _mm512_storeu_si512(out + n, _mm512_maskz_compress_epi32(mh, c32));
-            _mm256_storeu_si256((__m256i *)(vals + n),
-                                _mm512_cvtepi32_epi16(_mm512_maskz_compress_epi32(mh, idx)));
-            n += __builtin_popcount(mh);
+            if (mh)
+                n = append_counts(out, vals, n, mh, _mm512_cvtepu16_epi32(halves[h]), b + 16 * h);
         }
     }
     return n;
@@ -1153,16 +1183,7 @@ static int64_t list_values16(u16_alias *count16, uint16_t *vals, uint32_t *out) 
 }
 #else
 static int64_t list_values16(u16_alias *count16, uint16_t *vals, uint32_t *out) {
-    int64_t n = 0;
-    for (int64_t i = 0; i < N_VALUES; ++i) {
-        u16_alias c = count16[i];
-        count16[i] = 0;
-        out[n] = c; /* a zero written here is overwritten by the next count */
-        vals[n] = (uint16_t)i;
-        n += c != 0;
-    }
-    out[n] = 0;
-    return n;
+    return list_narrow_counts(count16, 2, vals, out, NULL);
 }
 #endif
 
@@ -1172,7 +1193,6 @@ static int64_t list_values16(u16_alias *count16, uint16_t *vals, uint32_t *out) 
 #if defined(__AVX512BW__)
 static int64_t list_values8(uint8_t *count8, uint16_t *vals, uint32_t *out, uint64_t *listed) {
     int64_t n = 0;
-    const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     __m512i sum = _mm512_setzero_si512();
     for (int64_t b = 0; b < N_VALUES; b += 64) {
         __m512i c = _mm512_loadu_si512(count8 + b);
@@ -1182,14 +1202,9 @@ static int64_t list_values8(uint8_t *count8, uint16_t *vals, uint32_t *out, uint
         sum = _mm512_add_epi64(sum, _mm512_sad_epu8(c, _mm512_setzero_si512()));
         for (int q = 0; q < 4; ++q) {
             __mmask16 mq = (__mmask16)(m >> (16 * q));
-            if (!mq) continue;
-            __m512i c32 = _mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(c, q));
-            __m512i idx = _mm512_add_epi32(lanes, _mm512_set1_epi32((int)b + 16 * q));
-            /* n + 16 <= b + 16 q + 16 <= N_VALUES; lanes past the non-zero ones store 0 */
-            _mm512_storeu_si512(out + n, _mm512_maskz_compress_epi32(mq, c32));
-            _mm256_storeu_si256((__m256i *)(vals + n),
-                                _mm512_cvtepi32_epi16(_mm512_maskz_compress_epi32(mq, idx)));
-            n += __builtin_popcount(mq);
+            if (mq)
+                n = append_counts(out, vals, n, mq,
+                                  _mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(c, q)), b + 16 * q);
         }
     }
     *listed = (uint64_t)_mm512_reduce_add_epi64(sum);
@@ -1219,19 +1234,7 @@ static int64_t list_values8(uint8_t *count8, uint16_t *vals, uint32_t *out, uint
 }
 #else
 static int64_t list_values8(uint8_t *count8, uint16_t *vals, uint32_t *out, uint64_t *listed) {
-    int64_t n = 0;
-    uint64_t total = 0;
-    for (int64_t i = 0; i < N_VALUES; ++i) {
-        uint8_t c = count8[i];
-        count8[i] = 0;
-        total += c;
-        out[n] = c; /* a zero written here is overwritten by the next count */
-        vals[n] = (uint16_t)i;
-        n += c != 0;
-    }
-    out[n] = 0;
-    *listed = total;
-    return n;
+    return list_narrow_counts(count8, 1, vals, out, listed);
 }
 #endif
 
