@@ -1115,13 +1115,39 @@ static int64_t list_values(uint32_t *count, uint16_t *vals) {
 }
 #endif
 
-#if !defined(__AVX2__)
-/* The portable list_values16 (width 2) and list_values8 (width 1); *listed, unless NULL,
-   becomes the counts' sum. */
+#if !defined(__AVX512BW__)
+/* list_values16 (width 2) and list_values8 (width 1) of the AVX2 and portable builds;
+   *listed, unless NULL, becomes the counts' sum. */
 ELP_INLINE int64_t list_narrow_counts(void *count, const int width, uint16_t *vals,
                                       uint32_t *out, uint64_t *listed) {
     int64_t n = 0;
     uint64_t total = 0;
+#if defined(__AVX2__)
+    const __m256i zero = _mm256_setzero_si256();
+    for (int64_t b = 0; b < N_VALUES; b += 32 / width) {
+        char *block = (char *)count + b * width;
+        __m256i c = _mm256_loadu_si256((const __m256i *)block);
+        /* `width` mask bits per count */
+        unsigned m = ~(unsigned)_mm256_movemask_epi8(width == 1 ? _mm256_cmpeq_epi8(c, zero)
+                                                                : _mm256_cmpeq_epi16(c, zero));
+        if (!m) continue;
+        union {
+            uint8_t u8[32];
+            uint16_t u16[16];
+        } cs;
+        _mm256_storeu_si256((__m256i *)cs.u8, c);
+        _mm256_storeu_si256((__m256i *)block, zero);
+        while (m) {
+            int k = __builtin_ctz(m) / width;
+            uint32_t ck = width == 1 ? cs.u8[k] : cs.u16[k];
+            total += ck;
+            out[n] = ck;
+            vals[n++] = (uint16_t)(b + k);
+            m &= m - 1;
+            if (width == 2) m &= m - 1; /* the count's second mask bit */
+        }
+    }
+#else
     for (int64_t i = 0; i < N_VALUES; ++i) {
         uint32_t c;
         if (width == 1) {
@@ -1137,6 +1163,7 @@ ELP_INLINE int64_t list_narrow_counts(void *count, const int width, uint16_t *va
         n += c != 0;
     }
     out[n] = 0;
+#endif
     if (listed) *listed = total;
     return n;
 }
@@ -1157,26 +1184,6 @@ static int64_t list_values16(u16_alias *count16, uint16_t *vals, uint32_t *out) 
             __mmask16 mh = (__mmask16)(m >> (16 * h));
             if (mh)
                 n = append_counts(out, vals, n, mh, _mm512_cvtepu16_epi32(halves[h]), b + 16 * h);
-        }
-    }
-    return n;
-}
-#elif defined(__AVX2__)
-static int64_t list_values16(u16_alias *count16, uint16_t *vals, uint32_t *out) {
-    int64_t n = 0;
-    const __m256i zero = _mm256_setzero_si256();
-    for (int64_t b = 0; b < N_VALUES; b += 16) {
-        __m256i c = _mm256_loadu_si256((const __m256i *)(count16 + b));
-        /* two mask bits per count */
-        unsigned m = ~(unsigned)_mm256_movemask_epi8(_mm256_cmpeq_epi16(c, zero));
-        if (!m) continue;
-        uint16_t cs[16];
-        _mm256_storeu_si256((__m256i *)cs, c);
-        _mm256_storeu_si256((__m256i *)(count16 + b), zero);
-        for (; m; m &= m - 1, m &= m - 1) {
-            int k = __builtin_ctz(m) >> 1;
-            out[n] = cs[k];
-            vals[n++] = (uint16_t)(b + k);
         }
     }
     return n;
@@ -1208,28 +1215,6 @@ static int64_t list_values8(uint8_t *count8, uint16_t *vals, uint32_t *out, uint
         }
     }
     *listed = (uint64_t)_mm512_reduce_add_epi64(sum);
-    return n;
-}
-#elif defined(__AVX2__)
-static int64_t list_values8(uint8_t *count8, uint16_t *vals, uint32_t *out, uint64_t *listed) {
-    int64_t n = 0;
-    uint64_t total = 0;
-    const __m256i zero = _mm256_setzero_si256();
-    for (int64_t b = 0; b < N_VALUES; b += 32) {
-        __m256i c = _mm256_loadu_si256((const __m256i *)(count8 + b));
-        unsigned m = ~(unsigned)_mm256_movemask_epi8(_mm256_cmpeq_epi8(c, zero));
-        if (!m) continue;
-        uint8_t cs[32];
-        _mm256_storeu_si256((__m256i *)cs, c);
-        _mm256_storeu_si256((__m256i *)(count8 + b), zero);
-        for (; m; m &= m - 1) {
-            int k = __builtin_ctz(m);
-            total += cs[k];
-            out[n] = cs[k];
-            vals[n++] = (uint16_t)(b + k);
-        }
-    }
-    *listed = total;
     return n;
 }
 #else
