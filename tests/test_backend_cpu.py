@@ -11,6 +11,7 @@ with the per-value tables of 16-bit rows (value_tables="always").
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -84,9 +85,53 @@ def _disassembly(path: Path) -> str:
     return subprocess.run([objdump, "-d", str(path)], capture_output=True, text=True).stdout
 
 
-def test_compiled_code_has_no_fma_and_uses_256_bit_vectors(cpu):
+# The products the kernels may fuse into an FMA, each exact: kd (-LN2_32_HI) with |kd| < 2^12
+# and 39 significant bits in LN2_32_HI; (s - hi) 2^42, a power of two. Adding a use of
+# exact_product_add means proving its product exact and naming it here.
+_EXACT_PRODUCTS = {"splatd(-ELP_LN2_32_HI)", "splatd(ELP_LIMB_SCALE)"}
+_FMA_INTRINSIC = r"_mm\d*_f\w*(add|sub)_p[sd]|__builtin_fma|\bfmaf?\("
+_FMA_INSTRUCTION = r"\bvf\w*(add|sub)\w*"
+
+
+def _kernel_source() -> str:
+    return (Path(cpu_build.__file__).parent / "csrc" / cpu_build.SOURCE_NAME).read_text()
+
+
+def test_fma_is_written_only_where_the_product_is_exact():
+    """The source writes FMA only in exact_product_add, and its callers multiply by the
+    constants of _EXACT_PRODUCTS."""
+    source = _kernel_source()
+    start = source.index("ELP_INLINE vd exact_product_add(")
+    end = source.index("\n}\n", start)
+    assert re.search(_FMA_INTRINSIC, source[start:end])
+    outside = source[:start] + source[end:]
+    assert not re.search(_FMA_INTRINSIC, outside)
+    calls = re.findall(r"exact_product_add\([^,]+, ([^,]+), ", outside)
+    assert len(calls) == 3 and set(calls) == _EXACT_PRODUCTS, calls
+
+
+def test_the_compiler_fuses_nothing_itself(tmp_path):
+    """Built for AVX2 (-mfma) with exact_product_add's FMA branches taken out, the library
+    has no FMA instruction: every other + - * stays the single IEEE operation."""
+    source = _kernel_source().replace("defined(__FMA__)", "0")
+    assert _kernel_source().count("defined(__FMA__)") == 2  # both FMA branches go
+    out = tmp_path / "no_fma.so"
+    try:
+        cpu_build._compile(
+            cpu_build.find_compiler(), source, cpu_build.constants_header(), "avx2", out
+        )
+    except cpu_build.CpuBuildError as exc:  # not x86-64, or no compiler
+        pytest.skip(f"no AVX2 build here: {str(exc)[:200]}")
+    assert "-mfma" in cpu_build.ISA_FLAGS["avx2"] and "-ffp-contract=off" in cpu_build.CFLAGS
+    assert not re.search(_FMA_INSTRUCTION, _disassembly(out))
+
+
+def test_compiled_code_fma_only_in_simd_builds_and_uses_256_bit_vectors(cpu):
     code = _disassembly(cpu_build.build())
-    assert "vfmadd" not in code and "vfmsub" not in code and "vfnmadd" not in code
+    if cpu.uses_avx2:  # exact_product_add's FMA, packed doubles, a*b + c only
+        fused = {m.group(0) for m in re.finditer(_FMA_INSTRUCTION, code)}
+        assert fused and all(re.fullmatch(r"vfmadd\d{3}pd", op) for op in fused), fused
+    assert not re.search(_FMA_INSTRUCTION, _disassembly(cpu_build.build("baseline")))
     if cpu.uses_avx2:  # the AVX2 copies do the fp64 work four lanes at a time
         assert "ymm" in code and "vdivpd" in code
 

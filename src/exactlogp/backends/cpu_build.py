@@ -54,7 +54,9 @@ log = logging.getLogger(__name__)
 SOURCE_NAME = "exactlogp_cpu.c"
 HEADER_NAME = "exactlogp_constants.h"
 # No FMA contraction and no fast-math: every + - * / must be the single IEEE operation
-# the contract names (-mfma is never passed either, so no FMA instruction can appear).
+# the contract names. The x86-64 builds pass -mfma for the one FMA the source writes itself
+# (exact_product_add, where the product is exact and the FMA rounds as the add does); with
+# -ffp-contract=off the compiler makes no other.
 CFLAGS = (
     "-O3",
     "-std=gnu11",
@@ -64,21 +66,22 @@ CFLAGS = (
     "-ffp-contract=off",
     "-fno-fast-math",
 )
-# Each build is the same arithmetic at another vector width (4 doubles, or 8 with AVX-512);
-# the AVX-512 flags bring no FMA (-mfma is never passed, and contraction is off anyway).
+# Each build is the same arithmetic at another vector width (4 doubles, or 8 with AVX-512).
 ISA_FLAGS = {
     "baseline": (),
-    "avx2": ("-mavx2", "-mf16c"),
-    "avx512": ("-mavx2", "-mf16c", "-mavx512f", "-mavx512dq", "-mavx512bw", "-mavx512vl"),
-}
+    "avx2": ("-mavx2", "-mf16c", "-mfma"),
+    "avx512": (
+        "-mavx2", "-mf16c", "-mfma", "-mavx512f", "-mavx512dq", "-mavx512bw", "-mavx512vl",
+    ),
+}  # fmt: skip
 # The kernels run on torch's OpenMP threads: -fopenmp links libgomp by its soname, which
 # resolves to the copy torch has loaded. A compiler without OpenMP builds them without
 # (then every call runs on the calling thread; the same bits).
 OPENMP_FLAGS = ("-fopenmp",)
 # the CPU flags (/proc/cpuinfo) each x86-64 build needs, best first
 ISA_CPU_FLAGS = {
-    "avx512": ("avx2", "f16c", "avx512f", "avx512dq", "avx512bw", "avx512vl"),
-    "avx2": ("avx2", "f16c"),
+    "avx512": ("avx2", "f16c", "fma", "avx512f", "avx512dq", "avx512bw", "avx512vl"),
+    "avx2": ("avx2", "f16c", "fma"),
 }
 COMPILE_TIMEOUT_S = 600
 

@@ -15,7 +15,8 @@
  *                               the target column, one for the others), / tau,
  *                               fp64 -> fp32 -> dtype, each a round to nearest even
  *
- * Built with -ffp-contract=off and without -ffast-math: no FMA, no reassociation. The
+ * Built with -ffp-contract=off and without -ffast-math: no reassociation, and no FMA but
+ * where a product is exact (exact_product_add: there the FMA's one rounding is the add's). The
  * constants come from the header that exactlogp/backends/cpu_build.py generates from
  * contract.py. The arithmetic is written once with GCC vector extensions of DW doubles
  * (FW = 2 DW floats): DW = 8 in the AVX-512 build, 4 in the AVX2 and portable builds; only
@@ -128,6 +129,20 @@ ELP_INLINE vd selectd(vl m, vd a, vd b) { return (vd)(((vl)a & m) | ((vl)b & ~m)
 ELP_INLINE vf selectf(vi m, vf a, vf b) { return (vf)(((vi)a & m) | ((vi)b & ~m)); }
 
 ELP_INLINE vd andd(vl m, vd a) { return (vd)((vl)a & m); } /* a where m, else +0 */
+
+/* fl(a b + c) for a product a b that is exact, so that fl(fl(a b) + c) is the same value:
+   one FMA instruction where the build has FMA (its single rounding is then the add's),
+   else the multiply and the add. The only FMA in the kernels (-ffp-contract=off keeps the
+   compiler from making others); each caller says why its product is exact. */
+ELP_INLINE vd exact_product_add(vd a, vd b, vd c) {
+#if defined(__AVX512F__) && defined(__FMA__)
+    return (vd)_mm512_fmadd_pd((__m512d)a, (__m512d)b, (__m512d)c);
+#elif defined(__AVX2__) && defined(__FMA__)
+    return (vd)_mm256_fmadd_pd((__m256d)a, (__m256d)b, (__m256d)c);
+#else
+    return a * b + c;
+#endif
+}
 
 static const double exp2_table[1 << ELP_TABLE_BITS] = ELP_EXP2_TABLE;
 static const double exp_poly[ELP_EXP_POLY_LEN] = ELP_EXP_POLY;
@@ -330,7 +345,8 @@ ELP_INLINE void exp_c_parts(const vd d[V4], vul kb[V4], vd tp[V4], const int sca
     for (int i = 0; i < V4; ++i) tm[i] = d[i] * ELP_INV_LN2_32 + magic;
     for (int i = 0; i < V4; ++i) {
         vd kd = tm[i] - magic; /* rint_even(d / (ln2/32)) */
-        r[i] = (d[i] - kd * ELP_LN2_32_HI) - kd * ELP_LN2_32_LO;
+        /* kd (-LN2_32_HI) is exact: |kd| < 2^12, LN2_32_HI has 39 significant bits */
+        r[i] = exact_product_add(kd, splatd(-ELP_LN2_32_HI), d[i]) - kd * ELP_LN2_32_LO;
     }
     for (int i = 0; i < V4; ++i) p[i] = splatd(exp_poly[0]);
     for (int c = 1; c < ELP_EXP_POLY_LEN; ++c) /* Horner, no FMA */
@@ -384,12 +400,12 @@ ELP_INLINE vd exact_sum(const vd v[V4]) { /* integer-valued, < 2^53: any order i
 
 /* contract.quantize of v in [0, 1], given s = v 2^42: hi = floor(s) (the contract truncates
    to int64: the same for s >= 0), lo = rint_even((s - hi) 2^42), added to the sums: hi as
-   an integer-valued double, lo as the bits of lo + MAGIC. */
+   an integer-valued double, lo as the bits of lo + MAGIC ((s - hi) 2^42 is exact). */
 ELP_INLINE void quantize_add(const vd s[V4], vd *sum_hi, vul *sum_lo) {
     vd hi[V4];
     for (int i = 0; i < V4; ++i) {
         hi[i] = floord(s[i]);
-        *sum_lo += (vul)((s[i] - hi[i]) * ELP_LIMB_SCALE + ELP_MAGIC);
+        *sum_lo += (vul)exact_product_add(s[i] - hi[i], splatd(ELP_LIMB_SCALE), splatd(ELP_MAGIC));
     }
     *sum_hi += exact_sum(hi);
 }
@@ -1236,7 +1252,7 @@ ELP_INLINE void add_counted(const vul c[V4], const vd s[V4], vul *sum_hi, vul *s
     for (int i = 0; i < V4; ++i) {
         vd hi = floord(s[i]);
         *sum_hi += c[i] * (vul)(hi + ELP_MAGIC);
-        *sum_lo += c[i] * (vul)((s[i] - hi) * ELP_LIMB_SCALE + ELP_MAGIC);
+        *sum_lo += c[i] * (vul)exact_product_add(s[i] - hi, splatd(ELP_LIMB_SCALE), splatd(ELP_MAGIC));
     }
 }
 
