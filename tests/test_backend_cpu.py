@@ -418,7 +418,8 @@ def test_fused_forward_counts_every_non_finite_column(cpu, ref, dtype, isa):
     """The fused forward skips counting NaN / +inf columns in the whole steps of a row
     whose max pass saw none: rows with one NaN or one +inf in a whole step or in the last
     (short) step, several of them, a masked-out NaN, -inf only (not counted), and none;
-    the record's count column and the rest match the reference on every build."""
+    the record's count column and the rest match the reference on every build. So does
+    the row max of a TP shard's pass (a NaN or +inf takes the max pass back to max_step)."""
     cpu = _build(isa, cpu.value_tables)
     width = 5003  # the last step is short on every build
     x, target = llm_like_logits(8, width, dtype, seed=21)
@@ -437,6 +438,9 @@ def test_fused_forward_counts_every_non_finite_column(cpu, ref, dtype, isa):
     plan = ShardPlan(0, None, -100, False)
     for mask, bad_rows in ((None, 6), (keep, 5)):
         _, expected = _assert_fused_equal(cpu, ref, x, target, 1.0, mask, plan)
+        shard_max = cpu.row_max(x, 1.0, mask, plan)
+        assert_bitwise_equal(shard_max, ref.row_max(x, 1.0, mask, plan), "row max")
+        assert_bitwise_equal(shard_max, expected[0], "row max and fused row max")
         counted = (expected[1][:, contract.COL_NONFINITE] != 0).tolist()
         assert counted == [True] * bad_rows + [False] * (8 - bad_rows)
 

@@ -128,6 +128,27 @@ ELP_INLINE vf splatf(float v) {
 ELP_INLINE vd selectd(vl m, vd a, vd b) { return (vd)(((vl)a & m) | ((vl)b & ~m)); }
 ELP_INLINE vf selectf(vi m, vf a, vf b) { return (vf)(((vi)a & m) | ((vi)b & ~m)); }
 
+/* a > b ? a : b and a < b ? a : b, lane by lane (so b where a is NaN, and b of two equal
+   zeros): what vmaxps and vminps compute, one instruction each where the build has them. */
+ELP_INLINE vf maxf(vf a, vf b) {
+#if defined(__AVX512F__)
+    return (vf)_mm512_max_ps((__m512)a, (__m512)b);
+#elif defined(__AVX2__)
+    return (vf)_mm256_max_ps((__m256)a, (__m256)b);
+#else
+    return selectf(a > b, a, b);
+#endif
+}
+ELP_INLINE vf minf(vf a, vf b) {
+#if defined(__AVX512F__)
+    return (vf)_mm512_min_ps((__m512)a, (__m512)b);
+#elif defined(__AVX2__)
+    return (vf)_mm256_min_ps((__m256)a, (__m256)b);
+#else
+    return selectf(a < b, a, b);
+#endif
+}
+
 ELP_INLINE vd andd(vl m, vd a) { return (vd)((vl)a & m); } /* a where m, else +0 */
 
 /* fl(a b + c) for a product a b that is exact, so that fl(fl(a b) + c) is the same value:
@@ -774,6 +795,24 @@ ELP_INLINE void max_step(const vf y[V8], const vi valid[V8], vf best[V8], vi *ba
     }
 }
 
+/* max_step of a whole step (every lane valid) in fewer operations: best = maxf(y, best)
+   is max_step's best where no y is NaN or +inf (a NaN y leaves best in both, a +inf y
+   enters it here), low = minf(y, low) is its low (a NaN y leaves it), and *bad gets the
+   NaN and +inf lanes. Where *bad ends up set, the caller does the row again with max_step. */
+ELP_INLINE void max_step_whole(const vf y[V8], vf best[V8], vi *bad, vf low[V8]) {
+    for (int q = 0; q < V8; ++q) {
+        best[q] = maxf(y[q], best[q]);
+        low[q] = minf(y[q], low[q]);
+        *bad |= ~(y[q] < __builtin_inff());
+    }
+}
+
+ELP_INLINE int any_lane(vi m) {
+    int any = 0;
+    for (int i = 0; i < FW; ++i) any |= m[i] != 0;
+    return any;
+}
+
 /* The row max of v, and with `scan` (unless NULL) what else it found (see row_scan). */
 ELP_INLINE float view_max_checked(const row_view *v, const int dtype, row_scan *scan) {
     vi bad = {0};
@@ -787,7 +826,16 @@ ELP_INLINE float view_max_checked(const row_view *v, const int dtype, row_scan *
         vf y[V8];
         vi valid[V8];
         load_whole(v, j, dtype, y, valid);
-        max_step(y, valid, best, scan ? &bad : NULL, low);
+        max_step_whole(y, best, &bad, low);
+    }
+    if (any_lane(bad)) { /* a NaN or +inf column: the whole steps again, with max_step */
+        for (int q = 0; q < V8; ++q) best[q] = splatf(-__builtin_inff());
+        for (j = 0; j < whole; j += LANES) {
+            vf y[V8];
+            vi valid[V8];
+            load_whole(v, j, dtype, y, valid);
+            max_step(y, valid, best, NULL, NULL);
+        }
     }
     for (; j < v->n_real; j += LANES) {
         vf y[V8];
