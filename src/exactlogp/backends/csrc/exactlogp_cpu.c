@@ -20,8 +20,8 @@
  * constants come from the header that exactlogp/backends/cpu_build.py generates from
  * contract.py. The arithmetic is written once with GCC vector extensions of DW doubles
  * (FW = 2 DW floats): DW = 8 in the AVX-512 build, 4 in the AVX2 and portable builds; only
- * the data-movement primitives below (widen, narrow, floor, table lookup, 16- and 8-bit
- * loads) have an ISA-specific form, and they move bits or floor; and the AVX-512 build
+ * the data-movement primitives below (widen, narrow, floor, table lookup, 8-, 16- and
+ * 32-bit loads) have an ISA-specific form, and they move bits or floor; and the AVX-512 build
  * keeps the forward's term and non-finite masks in mask registers (scaled_term_exps,
  * count_nonfinite: the same compares on the same lanes).
  *
@@ -198,6 +198,7 @@ ELP_INLINE vu load_u16(const void *p) {
 ELP_INLINE vi load_u8(const uint8_t *p) {
     return (vi)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
 }
+ELP_INLINE vu load_u32(const uint32_t *p) { return (vu)_mm512_loadu_si512(p); }
 ELP_INLINE void store_u16(void *p, vu v) { /* every value fits: truncation is exact */
     _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16((__m512i)v));
 }
@@ -238,6 +239,9 @@ ELP_INLINE vu load_u16(const void *p) {
 ELP_INLINE vi load_u8(const uint8_t *p) {
     return (vi)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
 }
+/* one 32-byte load: a memcpy into a vector that lives on the stack became two 16-byte
+   copies there, and reading them back as one 32-byte vector stalled (no store forwarding) */
+ELP_INLINE vu load_u32(const uint32_t *p) { return (vu)_mm256_loadu_si256((const __m256i *)p); }
 ELP_INLINE void store_u16(void *p, vu v) { /* every value fits: packus == truncation */
     __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128((__m256i)v),
                                       _mm256_extracti128_si256((__m256i)v, 1));
@@ -295,6 +299,11 @@ ELP_INLINE vi load_u8(const uint8_t *p) {
     vb b;
     memcpy(&b, p, sizeof b);
     return __builtin_convertvector(b, vi);
+}
+ELP_INLINE vu load_u32(const uint32_t *p) {
+    vu u;
+    memcpy(&u, p, sizeof u);
+    return u;
 }
 ELP_INLINE void store_u16(void *p, vu v) {
     vh h = __builtin_convertvector(v, vh);
@@ -1180,6 +1189,58 @@ static int64_t list_values(uint32_t *count, uint16_t *vals) {
 #endif
 
 #if !defined(__AVX512BW__)
+#if defined(__AVX2__)
+/* pack_index[m]: the positions of m's set bits in increasing order, one byte each, then
+   0x80 bytes (pshufb gives 0 for them) */
+static uint64_t pack_index[256];
+static pthread_once_t pack_index_once = PTHREAD_ONCE_INIT;
+static void pack_index_init(void) {
+    for (int m = 0; m < 256; ++m) {
+        uint64_t idx = 0x8080808080808080ull;
+        int k = 0;
+        for (int i = 0; i < 8; ++i)
+            if (m >> i & 1) idx = (idx & ~(0xFFull << 8 * k)) | (uint64_t)i << 8 * k, ++k;
+        pack_index[m] = idx;
+    }
+}
+
+/* list_values8 of the AVX2 build: each 8 counts of a 32-byte block that holds any are
+   packed at once (pshufb with pack_index of their non-zero mask), 8 written to out[n, n +
+   8) and their values to vals[n, n + 8), n advancing by the non-zero ones; the entries past
+   the last n are 0 in out (and n + 8 <= N_VALUES: n counts only the values before the
+   group). *listed becomes the counts' sum. */
+ELP_INLINE int64_t list_packed_u8(uint8_t *count, uint16_t *vals, uint32_t *out,
+                                  uint64_t *listed) {
+    pthread_once(&pack_index_once, pack_index_init);
+    const __m256i zero = _mm256_setzero_si256();
+    __m256i sums = zero;
+    int64_t n = 0;
+    for (int64_t b = 0; b < N_VALUES; b += 32) {
+        __m256i c = _mm256_loadu_si256((const __m256i *)(count + b));
+        unsigned m = ~(unsigned)_mm256_movemask_epi8(_mm256_cmpeq_epi8(c, zero));
+        if (!m) continue;
+        _mm256_storeu_si256((__m256i *)(count + b), zero);
+        sums = _mm256_add_epi64(sums, _mm256_sad_epu8(c, zero));
+        for (int g = 0; g < 4; ++g) {
+            unsigned m8 = m >> 8 * g & 0xFF;
+            if (!m8) continue;
+            __m128i idx = _mm_cvtsi64_si128((long long)pack_index[m8]);
+            __m128i half = g < 2 ? _mm256_castsi256_si128(c) : _mm256_extracti128_si256(c, 1);
+            __m128i from = g & 1 ? _mm_add_epi8(idx, _mm_set1_epi8(8)) : idx; /* 0x88: 0 */
+            __m128i packed = _mm_shuffle_epi8(half, from);
+            _mm256_storeu_si256((__m256i *)(out + n), _mm256_cvtepu8_epi32(packed));
+            _mm_storeu_si128((__m128i *)(vals + n),
+                             _mm_add_epi16(_mm_cvtepu8_epi16(idx), _mm_set1_epi16((short)(b + 8 * g))));
+            n += __builtin_popcount(m8);
+        }
+    }
+    uint64_t lanes[4];
+    _mm256_storeu_si256((__m256i *)lanes, sums);
+    *listed = lanes[0] + lanes[1] + lanes[2] + lanes[3];
+    return n;
+}
+#endif
+
 /* list_values16 (width 2) and list_values8 (width 1) of the AVX2 and portable builds;
    *listed, unless NULL, becomes the counts' sum. */
 ELP_INLINE int64_t list_narrow_counts(void *count, const int width, uint16_t *vals,
@@ -1187,6 +1248,7 @@ ELP_INLINE int64_t list_narrow_counts(void *count, const int width, uint16_t *va
     int64_t n = 0;
     uint64_t total = 0;
 #if defined(__AVX2__)
+    if (width == 1 && listed) return list_packed_u8(count, vals, out, listed);
     const __m256i zero = _mm256_setzero_si256();
     for (int64_t b = 0; b < N_VALUES; b += 32 / width) {
         char *block = (char *)count + b * width;
@@ -1312,7 +1374,7 @@ ELP_INLINE void sum_values(const row_view *v, const uint16_t *vals, int64_t n,
     vu c32[V8];
     vul c[V4];
     for (int q = 0; q < V8; ++q) {
-        memcpy(&c32[q], counts + q * FW, sizeof c32[q]);
+        c32[q] = load_u32(counts + q * FW);
         c[2 * q] = (vul)widen_u32_lo(c32[q]);
         c[2 * q + 1] = (vul)widen_u32_hi(c32[q]);
     }
