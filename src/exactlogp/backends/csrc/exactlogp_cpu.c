@@ -435,7 +435,8 @@ ELP_INLINE void quantize_add(const vd s[V4], vd *sum_hi, vul *sum_lo) {
     vd hi[V4];
     for (int i = 0; i < V4; ++i) {
         hi[i] = floord(s[i]);
-        *sum_lo += (vul)exact_product_add(s[i] - hi[i], splatd(ELP_LIMB_SCALE), splatd(ELP_MAGIC));
+        vd lo = exact_product_add(s[i] - hi[i], splatd(ELP_LIMB_SCALE), splatd(ELP_MAGIC));
+        *sum_lo += (vul)lo;
     }
     *sum_hi += exact_sum(hi);
 }
@@ -1229,8 +1230,8 @@ ELP_INLINE int64_t list_packed_u8(uint8_t *count, uint16_t *vals, uint32_t *out,
             __m128i from = g & 1 ? _mm_add_epi8(idx, _mm_set1_epi8(8)) : idx; /* 0x88: 0 */
             __m128i packed = _mm_shuffle_epi8(half, from);
             _mm256_storeu_si256((__m256i *)(out + n), _mm256_cvtepu8_epi32(packed));
-            _mm_storeu_si128((__m128i *)(vals + n),
-                             _mm_add_epi16(_mm_cvtepu8_epi16(idx), _mm_set1_epi16((short)(b + 8 * g))));
+            __m128i base = _mm_set1_epi16((short)(b + 8 * g));
+            _mm_storeu_si128((__m128i *)(vals + n), _mm_add_epi16(_mm_cvtepu8_epi16(idx), base));
             n += __builtin_popcount(m8);
         }
     }
@@ -1362,7 +1363,8 @@ ELP_INLINE void add_counted(const vul c[V4], const vd s[V4], vul *sum_hi, vul *s
     for (int i = 0; i < V4; ++i) {
         vd hi = floord(s[i]);
         *sum_hi += c[i] * (vul)(hi + ELP_MAGIC);
-        *sum_lo += c[i] * (vul)exact_product_add(s[i] - hi, splatd(ELP_LIMB_SCALE), splatd(ELP_MAGIC));
+        vd lo = exact_product_add(s[i] - hi, splatd(ELP_LIMB_SCALE), splatd(ELP_MAGIC));
+        *sum_lo += c[i] * (vul)lo;
     }
 }
 
