@@ -857,9 +857,8 @@ ELP_INLINE float view_max_checked(const row_view *v, const int dtype, row_scan *
     for (int q = 0; q < V8; ++q)
         for (int i = 0; i < FW; ++i) out = best[q][i] > out ? best[q][i] : out;
     if (scan) {
-        scan->bad = 0;
+        scan->bad = any_lane(bad);
         scan->low = __builtin_inff();
-        for (int i = 0; i < FW; ++i) scan->bad |= bad[i] != 0;
         for (int q = 0; q < V8; ++q)
             for (int i = 0; i < FW; ++i) scan->low = low[q][i] < scan->low ? low[q][i] : scan->low;
     }
@@ -1242,14 +1241,14 @@ ELP_INLINE int64_t list_packed_u8(uint8_t *count, uint16_t *vals, uint32_t *out,
 }
 #endif
 
-/* list_values16 (width 2) and list_values8 (width 1) of the AVX2 and portable builds;
+/* list_values16 (width 2) and list_values8 (width 1) of the AVX2 and portable builds
+   (the AVX2 build's list_values8 is list_packed_u8: only its uint16 counts come here);
    *listed, unless NULL, becomes the counts' sum. */
 ELP_INLINE int64_t list_narrow_counts(void *count, const int width, uint16_t *vals,
                                       uint32_t *out, uint64_t *listed) {
     int64_t n = 0;
     uint64_t total = 0;
 #if defined(__AVX2__)
-    if (width == 1 && listed) return list_packed_u8(count, vals, out, listed);
     const __m256i zero = _mm256_setzero_si256();
     for (int64_t b = 0; b < N_VALUES; b += 32 / width) {
         char *block = (char *)count + b * width;
@@ -1346,7 +1345,11 @@ static int64_t list_values8(uint8_t *count8, uint16_t *vals, uint32_t *out, uint
 }
 #else
 static int64_t list_values8(uint8_t *count8, uint16_t *vals, uint32_t *out, uint64_t *listed) {
+#if defined(__AVX2__)
+    return list_packed_u8(count8, vals, out, listed);
+#else
     return list_narrow_counts(count8, 1, vals, out, listed);
+#endif
 }
 #endif
 
