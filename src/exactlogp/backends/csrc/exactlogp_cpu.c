@@ -1208,7 +1208,9 @@ static void pack_index_init(void) {
    packed at once (pshufb with pack_index of their non-zero mask), 8 written to out[n, n +
    8) and their values to vals[n, n + 8), n advancing by the non-zero ones; the entries past
    the last n are 0 in out (and n + 8 <= N_VALUES: n counts only the values before the
-   group). *listed becomes the counts' sum. */
+   group). A group of 8 zero counts goes through the same steps (it writes 8 zeros and
+   advances n by 0): a branch on it was mispredicted often enough, at the sparse edges of a
+   row's values, to cost more. *listed becomes the counts' sum. */
 ELP_INLINE int64_t list_packed_u8(uint8_t *count, uint16_t *vals, uint32_t *out,
                                   uint64_t *listed) {
     pthread_once(&pack_index_once, pack_index_init);
@@ -1223,7 +1225,6 @@ ELP_INLINE int64_t list_packed_u8(uint8_t *count, uint16_t *vals, uint32_t *out,
         sums = _mm256_add_epi64(sums, _mm256_sad_epu8(c, zero));
         for (int g = 0; g < 4; ++g) {
             unsigned m8 = m >> 8 * g & 0xFF;
-            if (!m8) continue;
             __m128i idx = _mm_cvtsi64_si128((long long)pack_index[m8]);
             __m128i half = g < 2 ? _mm256_castsi256_si128(c) : _mm256_extracti128_si256(c, 1);
             __m128i from = g & 1 ? _mm_add_epi8(idx, _mm_set1_epi8(8)) : idx; /* 0x88: 0 */
@@ -1322,7 +1323,8 @@ static int64_t list_values16(u16_alias *count16, uint16_t *vals, uint32_t *out) 
 
 /* list_values of uint8 counts: afterwards count8 is all-zero again, out[0, n) holds the
    non-zero counts in value order (as uint32), vals[0, n) their values, and *listed their
-   sum; returns n. */
+   sum; returns n. (The AVX-512 build appends each 16 counts of a block that holds any,
+   with no branch on whether they do: see list_packed_u8.) */
 #if defined(__AVX512BW__)
 static int64_t list_values8(uint8_t *count8, uint16_t *vals, uint32_t *out, uint64_t *listed) {
     int64_t n = 0;
@@ -1335,9 +1337,8 @@ static int64_t list_values8(uint8_t *count8, uint16_t *vals, uint32_t *out, uint
         sum = _mm512_add_epi64(sum, _mm512_sad_epu8(c, _mm512_setzero_si512()));
         for (int q = 0; q < 4; ++q) {
             __mmask16 mq = (__mmask16)(m >> (16 * q));
-            if (mq)
-                n = append_counts(out, vals, n, mq,
-                                  _mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(c, q)), b + 16 * q);
+            n = append_counts(out, vals, n, mq,
+                              _mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(c, q)), b + 16 * q);
         }
     }
     *listed = (uint64_t)_mm512_reduce_add_epi64(sum);
@@ -1353,21 +1354,44 @@ static int64_t list_values8(uint8_t *count8, uint16_t *vals, uint32_t *out, uint
 }
 #endif
 
+/* A sum of count x limb-bits products modulo 2^64, as low + 2^32 high. The AVX2 build
+   has no 64-bit vector multiply: with the count below 2^32, count x bits is count x (the
+   low 32 bits) + 2^32 count x (the high 32 bits), two 32 x 32 -> 64-bit multiplies, and the
+   second sum is shifted once, at the end. The other builds multiply in 64 bits (high
+   stays 0). */
 typedef struct {
-    vul e_hi, e_lo, w_hi, w_lo; /* wrap mod 2^64, as the int64 sums */
-    vu nonfinite;               /* at most n_real < 2^32 */
+    vul low, high;
+} product_sum;
+
+ELP_INLINE void add_product(product_sum *s, vul count, vul bits) {
+#if defined(__AVX2__) && !defined(__AVX512F__)
+    s->low += (vul)_mm256_mul_epu32((__m256i)count, (__m256i)bits);
+    s->high += (vul)_mm256_mul_epu32((__m256i)count, (__m256i)(bits >> 32));
+#else
+    s->low += count * bits;
+#endif
+}
+
+ELP_INLINE uint64_t product_sum_lanes(product_sum s) {
+    return lanes_u64(s.low) + (lanes_u64(s.high) << 32);
+}
+
+typedef struct {
+    product_sum e_hi, e_lo, w_hi, w_lo; /* wrap mod 2^64, as the int64 sums */
+    vu nonfinite;                       /* at most n_real < 2^32 */
 } value_sums;
 
 /* count x the limbs of s = v 2^42 (contract.quantize), each added as count x (its bits +
    bits(MAGIC)): hi + MAGIC and (s - hi) 2^42 + MAGIC are exact (hi, lo < 2^51), their bits
    bits(MAGIC) + hi and bits(MAGIC) + lo; the row's sums take off bits(MAGIC) x the sum of
    the counts once. */
-ELP_INLINE void add_counted(const vul c[V4], const vd s[V4], vul *sum_hi, vul *sum_lo) {
+ELP_INLINE void add_counted(const vul c[V4], const vd s[V4], product_sum *sum_hi,
+                            product_sum *sum_lo) {
     for (int i = 0; i < V4; ++i) {
         vd hi = floord(s[i]);
-        *sum_hi += c[i] * (vul)(hi + ELP_MAGIC);
+        add_product(sum_hi, c[i], (vul)(hi + ELP_MAGIC));
         vd lo = exact_product_add(s[i] - hi, splatd(ELP_LIMB_SCALE), splatd(ELP_MAGIC));
-        *sum_lo += c[i] * (vul)lo;
+        add_product(sum_lo, c[i], (vul)lo);
     }
 }
 
@@ -1492,10 +1516,10 @@ ELP_INLINE int table_sums(const row_view *v, const uint16_t *keys, const int str
     memset(count, 0, n * sizeof *count); /* all-zero again */
     /* the counts sum to `kept` (checked above where a uint16 count could have wrapped) */
     uint64_t offset = (uint64_t)kept * magic_bits(); /* modulo 2^64, as the sums */
-    total[0] = lanes_u64(t.e_hi) - offset;
-    total[1] = lanes_u64(t.e_lo) - offset;
-    total[2] = lanes_u64(t.w_hi) - (entropy ? offset : 0);
-    total[3] = lanes_u64(t.w_lo) - (entropy ? offset : 0);
+    total[0] = product_sum_lanes(t.e_hi) - offset;
+    total[1] = product_sum_lanes(t.e_lo) - offset;
+    total[2] = product_sum_lanes(t.w_hi) - (entropy ? offset : 0);
+    total[3] = product_sum_lanes(t.w_lo) - (entropy ? offset : 0);
     uint64_t nf = 0;
     for (int i = 0; i < FW; ++i) nf += t.nonfinite[i];
     *nonfinite = (int64_t)nf;
