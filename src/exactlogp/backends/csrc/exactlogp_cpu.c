@@ -1201,15 +1201,23 @@ static int64_t list_values(uint32_t *count, uint16_t *vals) {
 #if !defined(__AVX512BW__)
 #if defined(__AVX2__)
 /* pack_index[m]: the positions of m's set bits in increasing order, one byte each, then
-   0x80 bytes (pshufb gives 0 for them) */
+   0x80 bytes (pshufb gives 0 for them); pack_index16[m]: the same for 16-bit elements
+   (bytes 2i, 2i + 1 for position i) */
 static uint64_t pack_index[256];
+static uint8_t pack_index16[256][16] __attribute__((aligned(16)));
 static pthread_once_t pack_index_once = PTHREAD_ONCE_INIT;
 static void pack_index_init(void) {
     for (int m = 0; m < 256; ++m) {
         uint64_t idx = 0x8080808080808080ull;
+        memset(pack_index16[m], 0x80, 16);
         int k = 0;
         for (int i = 0; i < 8; ++i)
-            if (m >> i & 1) idx = (idx & ~(0xFFull << 8 * k)) | (uint64_t)i << 8 * k, ++k;
+            if (m >> i & 1) {
+                idx = (idx & ~(0xFFull << 8 * k)) | (uint64_t)i << 8 * k;
+                pack_index16[m][2 * k] = (uint8_t)(2 * i);
+                pack_index16[m][2 * k + 1] = (uint8_t)(2 * i + 1);
+                ++k;
+            }
         pack_index[m] = idx;
     }
 }
@@ -1250,41 +1258,44 @@ ELP_INLINE int64_t list_packed_u8(uint8_t *count, uint16_t *vals, uint32_t *out,
     *listed = lanes[0] + lanes[1] + lanes[2] + lanes[3];
     return n;
 }
+
+/* list_values16 of the AVX2 build: list_packed_u8 for uint16 counts, 8 counts (a 16-byte
+   half of a 32-byte block that holds any) at a time, with pack_index16. */
+ELP_INLINE int64_t list_packed_u16(u16_alias *count, uint16_t *vals, uint32_t *out) {
+    pthread_once(&pack_index_once, pack_index_init);
+    const __m256i zero = _mm256_setzero_si256();
+    int64_t n = 0;
+    for (int64_t b = 0; b < N_VALUES; b += 16) {
+        __m256i c = _mm256_loadu_si256((const __m256i *)(count + b));
+        /* one mask bit per count: bits 0-7 and 16-23 (packs works per 16-byte half) */
+        __m256i is_zero = _mm256_packs_epi16(_mm256_cmpeq_epi16(c, zero), zero);
+        unsigned m = ~(unsigned)_mm256_movemask_epi8(is_zero) & 0x00FF00FFu;
+        if (!m) continue;
+        _mm256_storeu_si256((__m256i *)(count + b), zero);
+        for (int h = 0; h < 2; ++h) {
+            unsigned m8 = m >> 16 * h & 0xFF;
+            __m128i half = h ? _mm256_extracti128_si256(c, 1) : _mm256_castsi256_si128(c);
+            __m128i packed =
+                _mm_shuffle_epi8(half, _mm_load_si128((const __m128i *)pack_index16[m8]));
+            _mm256_storeu_si256((__m256i *)(out + n), _mm256_cvtepu16_epi32(packed));
+            __m128i idx = _mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)pack_index[m8]));
+            __m128i base = _mm_set1_epi16((short)(b + 8 * h));
+            _mm_storeu_si128((__m128i *)(vals + n), _mm_add_epi16(idx, base));
+            n += __builtin_popcount(m8);
+        }
+    }
+    return n;
+}
 #endif
 
-/* list_values16 (width 2) and list_values8 (width 1) of the AVX2 and portable builds
-   (the AVX2 build's list_values8 is list_packed_u8: only its uint16 counts come here);
-   *listed, unless NULL, becomes the counts' sum. */
+#if !defined(__AVX2__)
+/* list_values16 (width 2) and list_values8 (width 1) of the portable build (the AVX2
+   build's are list_packed_u16 and list_packed_u8); *listed, unless NULL, becomes the
+   counts' sum. */
 ELP_INLINE int64_t list_narrow_counts(void *count, const int width, uint16_t *vals,
                                       uint32_t *out, uint64_t *listed) {
     int64_t n = 0;
     uint64_t total = 0;
-#if defined(__AVX2__)
-    const __m256i zero = _mm256_setzero_si256();
-    for (int64_t b = 0; b < N_VALUES; b += 32 / width) {
-        char *block = (char *)count + b * width;
-        __m256i c = _mm256_loadu_si256((const __m256i *)block);
-        /* `width` mask bits per count */
-        unsigned m = ~(unsigned)_mm256_movemask_epi8(width == 1 ? _mm256_cmpeq_epi8(c, zero)
-                                                                : _mm256_cmpeq_epi16(c, zero));
-        if (!m) continue;
-        union {
-            uint8_t u8[32];
-            uint16_t u16[16];
-        } cs;
-        _mm256_storeu_si256((__m256i *)cs.u8, c);
-        _mm256_storeu_si256((__m256i *)block, zero);
-        while (m) {
-            int k = __builtin_ctz(m) / width;
-            uint32_t ck = width == 1 ? cs.u8[k] : cs.u16[k];
-            total += ck;
-            out[n] = ck;
-            vals[n++] = (uint16_t)(b + k);
-            m &= m - 1;
-            if (width == 2) m &= m - 1; /* the count's second mask bit */
-        }
-    }
-#else
     for (int64_t i = 0; i < N_VALUES; ++i) {
         uint32_t c;
         if (width == 1) {
@@ -1300,10 +1311,10 @@ ELP_INLINE int64_t list_narrow_counts(void *count, const int width, uint16_t *va
         n += c != 0;
     }
     out[n] = 0;
-#endif
     if (listed) *listed = total;
     return n;
 }
+#endif
 #endif
 
 /* list_values of uint16 counts: afterwards count16 is all-zero again, out[0, n) holds the
@@ -1327,7 +1338,11 @@ static int64_t list_values16(u16_alias *count16, uint16_t *vals, uint32_t *out) 
 }
 #else
 static int64_t list_values16(u16_alias *count16, uint16_t *vals, uint32_t *out) {
+#if defined(__AVX2__)
+    return list_packed_u16(count16, vals, out);
+#else
     return list_narrow_counts(count16, 2, vals, out, NULL);
+#endif
 }
 #endif
 
