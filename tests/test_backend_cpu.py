@@ -452,22 +452,26 @@ def test_fused_forward_at_the_cutoff(cpu, ref, dtype, isa):
     smallest y is at most -CUTOFF below its max: rows whose smallest d is exactly CUTOFF
     (a term), the next value below it (not a term; it would quantize to 0 either way), a
     -inf column and one 30000 below the max (neither may reach exp_c: its result there
-    is not a small number), and a temperature that moves a row across; each matches the
-    reference on every build."""
+    is not a small number), positive values 30000 below the max (the value tables list
+    them first, so they are in a whole step there, where the most negative values of the
+    other rows are in the last), and a temperature that moves a row across; each matches
+    the reference on every build."""
     cpu = _build(isa, cpu.value_tables)
     width = 4099
-    x, target = llm_like_logits(5, width, torch.float32, seed=23)
+    x, target = llm_like_logits(6, width, torch.float32, seed=23)
     x = x.clamp(-40.0, 20.0)
     x[:, 0] = 20.0  # the max: d of a column is y - 20
     x[0, 2000] = 20.0 + contract.CUTOFF  # d = CUTOFF exactly: a term
     x[2, 2000] = -float("inf")
     x[3, 2000] = -60.0  # d = -80 at tau 1, -40 at tau 2
     x[4, 2000] = -30000.0
+    x[5] = x[5].abs() + 1.0
+    x[5, 0] = 30000.0
     x = x.to(dtype)
     edge = torch.tensor(20.0 + contract.CUTOFF, dtype=dtype)
     x[1, 2000] = torch.nextafter(edge, torch.tensor(-1e9, dtype=dtype))  # the next one down
     plan = ShardPlan(0, None, -100, False)
-    for tau in (1.0, 2.0, torch.tensor([1.0, 1.0, 1.0, 2.0, 0.5])):
+    for tau in (1.0, 2.0, torch.tensor([1.0, 1.0, 1.0, 2.0, 0.5, 1.0])):
         _assert_fused_equal(cpu, ref, x, target, tau, None, plan)
 
 

@@ -1421,10 +1421,12 @@ ELP_INLINE void add_counted(const vul c[V4], const vd s[V4], product_sum *sum_hi
 }
 
 /* Add count x (limbs, non-finite flag) of the n <= LANES values vals[0, n) to the sums;
-   counts[0, LANES) are theirs (0 past n). */
+   counts[0, LANES) are theirs (0 past n). all_terms (only with n == LANES): every value is
+   a term, no compares (see terms); count_bad: count the NaN and +inf values (where there
+   may be some). */
 ELP_INLINE void sum_values(const row_view *v, const uint16_t *vals, int64_t n,
                            const uint32_t *counts, vd m, value_sums *t, const int dtype,
-                           const int entropy) {
+                           const int entropy, const int all_terms, const int count_bad) {
     vu c32[V8];
     vul c[V4];
     for (int q = 0; q < V8; ++q) {
@@ -1441,10 +1443,12 @@ ELP_INLINE void sum_values(const row_view *v, const uint16_t *vals, int64_t n,
     else
         load_step(&w, 0, n, dtype, y8, valid8);
     vd sv[V4], sw[V4];
-    limb_terms(y8, valid8, m, sv, sw, entropy, whole, 0);
+    limb_terms(y8, valid8, m, sv, sw, entropy, whole, all_terms);
     add_counted(c, sv, &t->e_hi, &t->e_lo);
     if (entropy) add_counted(c, sw, &t->w_hi, &t->w_lo);
-    for (int q = 0; q < V8; ++q) t->nonfinite += (vu)nonfinite_lanes(y8[q], valid8[q]) & c32[q];
+    if (count_bad)
+        for (int q = 0; q < V8; ++q)
+            t->nonfinite += (vu)nonfinite_lanes(y8[q], valid8[q]) & c32[q];
 }
 
 /* The 16-bit keys of a row for the value-table path, or NULL for the direct loops: the row
@@ -1529,15 +1533,26 @@ ELP_INLINE int table_sums(const row_view *v, const uint16_t *keys, const int str
     uint32_t *count;
     int64_t kept, n = count_values(v, keys, stride, sc, vdtype, &kept, &count);
     if (n < 0) return 0;
+    row_scan scan = {1, 0.0f}; /* with the max given (TP), nothing is known: compare */
     if (!has_max) {
         row_view w = values_view(v, sc->done, n);
-        *row_max = view_max(&w, vdtype);
+        *row_max = view_max_checked(&w, vdtype, &scan);
     }
     vd m = splatd((double)*row_max);
     value_sums t;
     memset(&t, 0, sizeof t);
-    for (int64_t i = 0; i < n; i += LANES)
-        sum_values(v, sc->done + i, min64(LANES, n - i), count + i, m, &t, vdtype, entropy);
+    /* the whole steps skip what the max pass shows they need not do, as in direct_sums */
+    int64_t i = 0;
+    const int64_t whole = n - n % LANES;
+    if (!scan.bad && (double)scan.low - (double)*row_max >= ELP_CUTOFF)
+        for (; i < whole; i += LANES)
+            sum_values(v, sc->done + i, LANES, count + i, m, &t, vdtype, entropy, 1, 0);
+    else if (!scan.bad)
+        for (; i < whole; i += LANES)
+            sum_values(v, sc->done + i, LANES, count + i, m, &t, vdtype, entropy, 0, 0);
+    for (; i < n; i += LANES)
+        sum_values(v, sc->done + i, min64(LANES, n - i), count + i, m, &t, vdtype, entropy, 0,
+                   1);
     memset(count, 0, n * sizeof *count); /* all-zero again */
     /* the counts sum to `kept` (checked above where a uint16 count could have wrapped) */
     uint64_t offset = (uint64_t)kept * magic_bits(); /* modulo 2^64, as the sums */
