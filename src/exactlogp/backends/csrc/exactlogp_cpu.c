@@ -879,6 +879,16 @@ ELP_INLINE float view_max(const row_view *v, const int dtype) {
     return view_max_checked(v, dtype, NULL);
 }
 
+/* What the whole steps of a row may skip, from its max pass's scan (NULL where the max
+   came from elsewhere, a TP group's: nothing is known). Where no valid column is NaN or
+   +inf there are none to count; and where besides fl(low - M) >= CUTOFF, every lane is a
+   term (y <= M gives d <= 0, and rounding is monotonic: d = fl(y - M) >= fl(low - M)),
+   so no lane need be compared. */
+ELP_INLINE int scan_none_bad(const row_scan *scan) { return scan && !scan->bad; }
+ELP_INLINE int scan_all_terms(const row_scan *scan, float row_max) {
+    return scan_none_bad(scan) && (double)scan->low - (double)row_max >= ELP_CUTOFF;
+}
+
 /* --- 3-5. the exact row record --- */
 
 /* The record's target and count columns, and the limb sums `total` (E_HI, E_LO, W_HI,
@@ -930,10 +940,8 @@ ELP_INLINE void direct_step(const row_view *v, int64_t j, const char *ahead, vd 
    into the L2 cache alongside, so that the next row's max pass reads it from there and
    not from memory (this loop is compute-bound; the max pass would be memory-bound). A
    prefetch is a hint: it changes no result. With `scan` (the fused forward's max pass
-   found row_max; else NULL), the whole steps skip what the scan shows they need not do:
-   where no valid column is NaN or +inf there are none to count; and where besides
-   fl(low - M) >= CUTOFF, every lane is a term (y <= M gives d <= 0, and rounding is
-   monotonic: d = fl(y - M) >= fl(low - M)), so no lane need be compared. */
+   found row_max; else NULL), the whole steps skip what the scan shows they need not do
+   (scan_all_terms, scan_none_bad). */
 ELP_INLINE void direct_sums(const row_view *v, float row_max, uint64_t total[4],
                             int64_t *nonfinite, const char *ahead, const row_scan *scan,
                             const int dtype, const int entropy) {
@@ -942,15 +950,15 @@ ELP_INLINE void direct_sums(const row_view *v, float row_max, uint64_t total[4],
     memset(&sums, 0, sizeof sums);
     const int64_t whole = whole_steps_end(v);
     int64_t steps = 0, j = 0;
-    if (!scan || scan->bad)
-        for (; j < whole; j += LANES)
-            direct_step(v, j, ahead, m, &sums, &steps, dtype, entropy, 1, 0, 1);
-    else if ((double)scan->low - (double)row_max >= ELP_CUTOFF)
+    if (scan_all_terms(scan, row_max))
         for (; j < whole; j += LANES)
             direct_step(v, j, ahead, m, &sums, &steps, dtype, entropy, 1, 1, 0);
-    else
+    else if (scan_none_bad(scan))
         for (; j < whole; j += LANES)
             direct_step(v, j, ahead, m, &sums, &steps, dtype, entropy, 1, 0, 0);
+    else
+        for (; j < whole; j += LANES)
+            direct_step(v, j, ahead, m, &sums, &steps, dtype, entropy, 1, 0, 1);
     for (; j < v->n_real; j += LANES)
         direct_step(v, j, ahead, m, &sums, &steps, dtype, entropy, 0, 0, 1);
     flush(&sums, steps, entropy);
@@ -1533,10 +1541,11 @@ ELP_INLINE int table_sums(const row_view *v, const uint16_t *keys, const int str
     uint32_t *count;
     int64_t kept, n = count_values(v, keys, stride, sc, vdtype, &kept, &count);
     if (n < 0) return 0;
-    row_scan scan = {1, 0.0f}; /* with the max given (TP), nothing is known: compare */
+    row_scan found, *scan = NULL; /* with the max given (TP), nothing is known */
     if (!has_max) {
         row_view w = values_view(v, sc->done, n);
-        *row_max = view_max_checked(&w, vdtype, &scan);
+        *row_max = view_max_checked(&w, vdtype, &found);
+        scan = &found;
     }
     vd m = splatd((double)*row_max);
     value_sums t;
@@ -1544,10 +1553,10 @@ ELP_INLINE int table_sums(const row_view *v, const uint16_t *keys, const int str
     /* the whole steps skip what the max pass shows they need not do, as in direct_sums */
     int64_t i = 0;
     const int64_t whole = n - n % LANES;
-    if (!scan.bad && (double)scan.low - (double)*row_max >= ELP_CUTOFF)
+    if (scan_all_terms(scan, *row_max))
         for (; i < whole; i += LANES)
             sum_values(v, sc->done + i, LANES, count + i, m, &t, vdtype, entropy, 1, 0);
-    else if (!scan.bad)
+    else if (scan_none_bad(scan))
         for (; i < whole; i += LANES)
             sum_values(v, sc->done + i, LANES, count + i, m, &t, vdtype, entropy, 0, 0);
     for (; i < n; i += LANES)
