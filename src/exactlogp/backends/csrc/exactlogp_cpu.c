@@ -833,8 +833,12 @@ ELP_INLINE int any_lane(vi m) {
     return any;
 }
 
-/* The row max of v, and with `scan` (unless NULL) what else it found (see row_scan). */
-ELP_INLINE float view_max_checked(const row_view *v, const int dtype, row_scan *scan) {
+/* The row max of v, and with `scan` (unless NULL) what else it found (see row_scan). Not
+   inlined (GCC still makes one copy per dtype): inlined into the fused forward,
+   the AVX2 build kept its accumulators on the stack, a store and a load per step; alone
+   it keeps all but one in registers, and fp32 rows run ~3.5 % faster (AVX2). */
+static __attribute__((noinline)) float view_max_checked(const row_view *v, const int dtype,
+                                                       row_scan *scan) {
     vi bad = {0};
     vf low[V8];
     for (int q = 0; q < V8; ++q) low[q] = splatf(__builtin_inff());
