@@ -781,6 +781,12 @@ ELP_INLINE int64_t whole_steps_end(const row_view *v) {
     return v->keep ? 0 : v->n_real - v->n_real % LANES;
 }
 
+/* A hint to bring the bytes of a step at p (LANES columns) into the L2 cache; it changes
+   no result, and a prefetch past the end of a buffer does not fault. */
+ELP_INLINE void prefetch_step(const char *p, const int dtype) {
+    for (int64_t b = 0; b < LANES * elem_size(dtype); b += 64) __builtin_prefetch(p + b, 0, 2);
+}
+
 /* load_step of a whole step (j < whole_steps_end): no bounds, every lane valid. */
 ELP_INLINE void load_whole(const row_view *v, int64_t j, const int dtype, vf y[V8],
                            vi valid[V8]) {
@@ -833,6 +839,13 @@ ELP_INLINE int any_lane(vi m) {
     return any;
 }
 
+/* The max pass prefetches the step MAX_AHEAD columns ahead of the one it reads (16 KiB of
+   fp32 logits): the row was prefetched into the L2 cache (see direct_sums), but not all of
+   it stays there, and this pass, which does little per column, waited on its loads. With
+   it, fp32 rows ran ~5 % faster in all on AVX2, unchanged on AVX-512; 4 and 8 KiB ahead
+   did about as well. */
+enum { MAX_AHEAD = 4096 };
+
 /* The row max of v, and with `scan` (unless NULL) what else it found (see row_scan). Not
    inlined (GCC still makes one copy per dtype): inlined into the fused forward,
    the AVX2 build kept its accumulators on the stack, a store and a load per step; alone
@@ -849,6 +862,7 @@ static __attribute__((noinline)) float view_max_checked(const row_view *v, const
     for (; j < whole; j += LANES) {
         vf y[V8];
         vi valid[V8];
+        prefetch_step(v->x + (j + MAX_AHEAD) * elem_size(dtype), dtype);
         load_whole(v, j, dtype, y, valid);
         max_step_whole(y, best, &bad, low);
     }
@@ -925,9 +939,7 @@ ELP_INLINE void direct_step(const row_view *v, int64_t j, const char *ahead, vd 
                             const int whole, const int all_terms, const int count_bad) {
     vf y[V8];
     vi valid[V8];
-    if (ahead)
-        for (int64_t b = 0; b < LANES * elem_size(dtype); b += 64)
-            __builtin_prefetch(ahead + j * elem_size(dtype) + b, 0, 2);
+    if (ahead) prefetch_step(ahead + j * elem_size(dtype), dtype);
     if (whole)
         load_whole(v, j, dtype, y, valid);
     else
