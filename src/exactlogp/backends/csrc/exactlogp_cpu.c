@@ -840,11 +840,11 @@ ELP_INLINE int any_lane(vi m) {
 }
 
 /* The max pass prefetches the step MAX_AHEAD columns ahead of the one it reads (16 KiB of
-   fp32 logits): the row was prefetched into the L2 cache (see direct_sums), but not all of
-   it stays there, and this pass, which does little per column, waited on its loads. With
-   it, fp32 rows ran ~5 % faster in all on AVX2, unchanged on AVX-512; 4 and 8 KiB ahead
-   did about as well. (A branch leaving out the prefetches near the row's end, instead of
-   clamping their address, ran 1.04x slower.) */
+   fp32 logits): in the fused forward the row was prefetched into the L2 cache (see
+   direct_sums), but not all of it stays there, and this pass, which does little per
+   column, waited on its loads. With it, fp32 rows ran ~5 % faster in all on AVX2,
+   unchanged on AVX-512; 4 and 8 KiB ahead did about as well. (A branch leaving out the
+   prefetches near the row's end, instead of clamping their address, ran 1.04x slower.) */
 enum { MAX_AHEAD = 4096 };
 
 /* The row max of v, and with `scan` (unless NULL) what else it found (see row_scan). Not
@@ -977,8 +977,9 @@ ELP_INLINE void direct_sums(const row_view *v, float row_max, uint64_t total[4],
     else
         for (; j < whole; j += LANES)
             direct_step(v, j, ahead, m, &sums, &steps, dtype, entropy, 1, 0, 1);
-    for (; j < v->n_real; j += LANES) /* no prefetch: its step could reach past the row */
-        direct_step(v, j, NULL, m, &sums, &steps, dtype, entropy, 0, 0, 1);
+    for (; j < v->n_real; j += LANES) /* (rows with a keep mask have no whole steps) */
+        direct_step(v, j, j + LANES <= v->n_real ? ahead : NULL, /* not past the next row */
+                    m, &sums, &steps, dtype, entropy, 0, 0, 1);
     flush(&sums, steps, entropy);
     for (int i = 0; i < 4; ++i) total[i] = sums.total[i];
     *nonfinite = 0;
