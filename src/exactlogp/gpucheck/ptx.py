@@ -14,10 +14,14 @@ any machine, so these checks run in CI:
 
 It also reports registers, spills, fp64 divisions and SASS instruction counts (DFMA must
 be 0 outside the IEEE fp64 division sequences, so it is checked on the kernels without a
-division: the max and partials passes). Kernels: max pass, partials pass, finalize, gradient.
+division: the max and partials passes). Kernels: max pass, partials pass, finalize, gradient,
+the value tables' kernels and the exact LM head's int8 GEMM (integer only).
 What is compiled is the specialisation a GPU run JITs: launch.py's own launch on the
 Qwen3-Next shape is captured (its arguments, launch options and grid) and bound by
 Triton's own binder, so the dtypes, divisibility hints and constexprs are the real ones.
+The variants named rows=1 are a decode step's launch: Triton passes an integer argument
+equal to 1 as a constant, so code that treats a size as a tensor compiles at 1024 rows and
+fails there (the exact GEMM did, on its first GPU run).
 It needs the compiled kernels: under TRITON_INTERPRET=1 it refuses to run.
 
     python benchmarks/triton_ptx_check.py [--arch 90] [--quick] [--out DIR]
@@ -44,7 +48,7 @@ from triton.compiler import ASTSource
 
 from .. import contract
 from ..backends import ShardPlan
-from ..backends.triton import kernels, launch, value_tables
+from ..backends.triton import kernels, launch, linear_kernels, value_tables
 
 INTERPRETED = "run without TRITON_INTERPRET=1: the check compiles the kernels"
 
@@ -55,13 +59,16 @@ ROWS, VOCAB, SMS = 1024, 151936, 132
 @dataclass(frozen=True)
 class Variant:
     kernel: str  # "row_max" | "partials" | "grad" | "finalize" | "tables" | "tables_grad"
-    dtype: torch.dtype | None  # of the logits; None for finalize, which reads none
+    #              | "exact_dot"
+    dtype: torch.dtype | None  # of the logits; None for finalize and exact_dot
     flags: tuple[str, ...] = ()  # "tau", "keep", "entropy"; finalize: "vocab_size", "bad_tau"
+    rows: int = ROWS  # 1: a decode step (sizes of 1 are compile-time constants)
 
     @property
     def name(self) -> str:
         head = [str(self.dtype).split(".")[-1]] if self.dtype is not None else []
-        return f"{self.kernel}[{'+'.join(head + list(self.flags))}]"
+        tail = [] if self.rows == ROWS else [f"rows={self.rows}"]
+        return f"{self.kernel}[{'+'.join(head + list(self.flags) + tail)}]"
 
 
 def variants(quick: bool) -> list[Variant]:
@@ -75,6 +82,14 @@ def variants(quick: bool) -> list[Variant]:
         # gradients, the gather and the target column
         Variant("tables", bf16, ("tau", "keep", "entropy")),
         Variant("tables_grad", bf16, ("tau", "keep", "entropy")),
+        Variant("exact_dot", None),
+        # a decode step: one row
+        Variant("row_max", bf16, ("tau", "keep"), rows=1),
+        Variant("partials", bf16, ("tau", "keep", "entropy"), rows=1),
+        Variant("finalize", None, ("vocab_size", "bad_tau", "disagree"), rows=1),
+        Variant("grad", bf16, ("tau", "keep", "entropy"), rows=1),
+        Variant("tables", bf16, ("tau", "keep", "entropy"), rows=1),
+        Variant("exact_dot", None, rows=1),
     ]
     if quick:
         return full
@@ -108,10 +123,14 @@ _KERNELS = {
     kernels: ("row_max_kernel", "partials_kernel", "finalize_kernel", "grad_kernel"),
     value_tables: ("count_kernel", "list_kernel", "sums_kernel", "grad_values_kernel",
                    "gather_kernel", "grad_target_kernel"),
+    linear_kernels: ("exact_dot_kernel",),
 }  # fmt: skip
+# integer-only kernels: launched without enable_fp_fusion, no fp64 division
+_INTEGER_ONLY = {"count_kernel", "list_kernel", "gather_kernel", "exact_dot_kernel"}
+HIDDEN = 2048  # the exact GEMM's K: Qwen3-Next's hidden size
 
 
-def launched(v: Variant, rows: int = ROWS, vocab: int = VOCAB, sms: int = SMS) -> list:
+def launched(v: Variant, vocab: int = VOCAB, sms: int = SMS) -> list:
     """[(kernel, args, kwargs)] of the launches the Triton backend makes for `v` on `rows`
     x `vocab` logits on a GPU of `sms` multiprocessors (the first of each kernel), from the
     launch code itself: uninitialised CPU tensors of the real dtypes, shapes and strides
@@ -124,7 +143,7 @@ def launched(v: Variant, rows: int = ROWS, vocab: int = VOCAB, sms: int = SMS) -
         for (module, name), fn in saved.items():
             setattr(module, name, _Capture(fn, calls))
         launch._target_programs = lambda device: launch.PROGRAMS_PER_SM * sms
-        _launch(v, rows, vocab)
+        _launch(v, v.rows, vocab)
     finally:
         for (module, name), fn in saved.items():
             setattr(module, name, fn)
@@ -137,6 +156,10 @@ def launched(v: Variant, rows: int = ROWS, vocab: int = VOCAB, sms: int = SMS) -
 
 def _launch(v: Variant, rows: int, vocab: int) -> None:
     empty = torch.empty
+    if v.kernel == "exact_dot":  # the logits of `rows` hidden rows and a TP4 shard's weight
+        zeros = torch.zeros  # int8_slices does arithmetic on them
+        linear_kernels.exact_dot(zeros(rows, HIDDEN), zeros(vocab // 4, HIDDEN))
+        return
     target = empty(rows, dtype=torch.int64)
     row_max = empty(rows, dtype=torch.float32)
     if v.kernel == "finalize":
@@ -263,8 +286,7 @@ def sass_report(cubin: bytes) -> tuple[int | None, str | None, dict]:
 
 
 # kernels without an fp64 division: no DFMA may appear in their SASS at all
-_NO_DIVISION = {"row_max_kernel", "partials_kernel", "count_kernel", "list_kernel",
-                "sums_kernel", "gather_kernel"}  # fmt: skip
+_NO_DIVISION = {"row_max_kernel", "partials_kernel", "sums_kernel", *_INTEGER_ONLY}
 
 
 def compile_and_check(v: Variant, arch: int) -> list[Result]:
@@ -272,8 +294,7 @@ def compile_and_check(v: Variant, arch: int) -> list[Result]:
     calls = launched(v)
     for fn, args, kwargs in calls:
         name = v.name if len(calls) == 1 else f"{v.name}:{fn.__name__.removesuffix('_kernel')}"
-        uses_fp = "enable_fp_fusion" in kwargs or fn.__name__ not in ("count_kernel",
-                                                                      "list_kernel", "gather_kernel")  # fmt: skip
+        uses_fp = "enable_fp_fusion" in kwargs or fn.__name__ not in _INTEGER_ONLY
         if uses_fp and kwargs.get("enable_fp_fusion") is not False:
             raise RuntimeError(f"{name}: launched without enable_fp_fusion=False")
         compiled = compile_launched(fn, args, kwargs, arch)

@@ -25,10 +25,14 @@ MAX_K = 1 << 17  # three products of at most 2^12 per k stay below 2^31 in int32
 
 @triton.jit
 def exact_dot_kernel(
-    a_ptr,  # [3, M, K] int8 slices of A (lowest first), contiguous
-    c_ptr,  # [3, P, K] int8 slices of C
+    a0_ptr,  # [M, K] int8 slices of A, lowest first, each contiguous
+    a1_ptr,
+    a2_ptr,
+    c0_ptr,  # [P, K] int8 slices of C
+    c1_ptr,
+    c2_ptr,
     z_ptr,  # [M, P] int64 out
-    M,
+    M,  # sizes are never converted here: Triton passes a size of 1 as a constant
     P,
     K,
     BLOCK_M: tl.constexpr,
@@ -39,7 +43,6 @@ def exact_dot_kernel(
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
     m64, n64 = rm.to(tl.int64), rn.to(tl.int64)
-    slice_a, slice_c = M.to(tl.int64) * K, P.to(tl.int64) * K
     acc0 = tl.zeros([BLOCK_M, BLOCK_N], tl.int32)
     acc1 = tl.zeros([BLOCK_M, BLOCK_N], tl.int32)
     acc2 = tl.zeros([BLOCK_M, BLOCK_N], tl.int32)
@@ -51,12 +54,12 @@ def exact_dot_kernel(
         c_mask = (kk[:, None] < K) & (rn[None, :] < P)
         a_off = m64[:, None] * K + kk[None, :]
         c_off = n64[None, :] * K + kk[:, None]  # C^T tile: [BLOCK_K, BLOCK_N]
-        a0 = tl.load(a_ptr + a_off, mask=a_mask, other=0)
-        a1 = tl.load(a_ptr + slice_a + a_off, mask=a_mask, other=0)
-        a2 = tl.load(a_ptr + 2 * slice_a + a_off, mask=a_mask, other=0)
-        c0 = tl.load(c_ptr + c_off, mask=c_mask, other=0)
-        c1 = tl.load(c_ptr + slice_c + c_off, mask=c_mask, other=0)
-        c2 = tl.load(c_ptr + 2 * slice_c + c_off, mask=c_mask, other=0)
+        a0 = tl.load(a0_ptr + a_off, mask=a_mask, other=0)
+        a1 = tl.load(a1_ptr + a_off, mask=a_mask, other=0)
+        a2 = tl.load(a2_ptr + a_off, mask=a_mask, other=0)
+        c0 = tl.load(c0_ptr + c_off, mask=c_mask, other=0)
+        c1 = tl.load(c1_ptr + c_off, mask=c_mask, other=0)
+        c2 = tl.load(c2_ptr + c_off, mask=c_mask, other=0)
         acc0 += tl.dot(a0, c0, out_dtype=tl.int32)
         acc1 += tl.dot(a0, c1, out_dtype=tl.int32) + tl.dot(a1, c0, out_dtype=tl.int32)
         acc2 += (tl.dot(a0, c2, out_dtype=tl.int32) + tl.dot(a1, c1, out_dtype=tl.int32)
@@ -95,7 +98,7 @@ def exact_dot(a: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
         return sum(exact_dot(a[:, i : i + MAX_K], c[:, i : i + MAX_K]) for i in range(0, k, MAX_K))
     grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(p, BLOCK_N))
     exact_dot_kernel[grid](
-        int8_slices(a), int8_slices(c), out, m, p, k,
+        *int8_slices(a), *int8_slices(c), out, m, p, k,
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
     )  # fmt: skip
     return out
