@@ -17,7 +17,7 @@ def test_cuda_reference_equals_cpu_bits_forward_and_backward():
     x, t = llm_like_logits(16, 4099, torch.bfloat16, seed=3)
     results = []
     for device in ("cpu", "cuda"):
-        xd = x.to(device).requires_grad_(True)
+        xd = x.to(device).detach().requires_grad_(True)  # a leaf of its own on each device
         res = exactlogp.selected_logprobs(
             xd, t.to(device), with_entropy=True, temperature=0.7, backend="reference"
         )
@@ -70,7 +70,9 @@ def test_warmed_up_call_is_captured_in_a_cuda_graph_with_the_eager_bits():
         res = exactlogp.selected_logprobs(leaf[:, :-1], t, validate=False, with_entropy=True,
                                           temperature=0.7, backend="triton")  # fmt: skip
         (res.logprobs.sum() + res.entropy.sum()).backward()
-        return res.logprobs, leaf.grad
+        # detached: a graph kept alive keeps leaf's AccumulateGrad node, made on the stream
+        # of the eager run, and the capture's backward would then accumulate on that stream
+        return res.logprobs.detach(), leaf.grad
 
     eager = [v.clone() for v in step()]
     stream = torch.cuda.Stream()

@@ -66,9 +66,10 @@ def test_every_block_size_and_a_strided_record(triton_backend):
     column slice of a wider tensor (row stride 11) give the same bits."""
     inp = testing.finalize_inputs(203, seed=11)
     want = contract.finalize(*inp)
-    wide = torch.zeros(203, 11, dtype=torch.int64)
-    wide[:, 2:10] = inp.record
-    dev = _on_device(inp._replace(record=wide[:, 2:10]))
+    dev = _on_device(inp)
+    wide = torch.zeros(203, 11, dtype=torch.int64, device=dev.record.device)  # made there:
+    wide[:, 2:10] = dev.record  # moving a slice to a GPU would copy it contiguous
+    dev = dev._replace(record=wide[:, 2:10])
     assert dev.record.stride(0) == 11
     for block_n in (16, 128, 256):
         _assert_finalized_equal(launch.finalize(*dev, block_n=block_n), want)
