@@ -1,9 +1,12 @@
 """The Triton backend of the exact fused LM head: the reference's bits.
 
 The exact integer GEMM runs as nine int8 dot products with int32 accumulation
-(backends/triton/linear_kernels.py); without a GPU in Triton's interpreter, so every case
-is small. Compared bit for bit with the reference backend's int64 arithmetic.
+(backends/triton/linear_kernels.py; without a GPU in Triton's interpreter, so every case
+is small) or as fp64 GEMMs over K-chunks (cuBLAS DGEMM on a GPU), the backend's
+exact_gemm option. Compared bit for bit with the reference backend's int64 arithmetic.
 """
+
+import contextlib
 
 import pytest
 import torch
@@ -12,7 +15,10 @@ pytest.importorskip("triton", reason="Triton is not installed: no Triton backend
 
 import exactlogp  # noqa: E402
 from exactlogp import linear_contract as lc  # noqa: E402
+from exactlogp.backends import get_backend  # noqa: E402
+from exactlogp.backends.base import backend_option  # noqa: E402
 from exactlogp.backends.triton import linear_kernels  # noqa: E402
+from exactlogp.backends.triton.launch import FP64_RICH_CAPABILITIES, TritonBackend  # noqa: E402
 from exactlogp.testing import assert_bitwise_equal, lm_head_inputs  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -36,17 +42,51 @@ def test_exact_dot_is_the_integer_product_on_ragged_tiles():
         assert torch.equal(got, lc.exact_dot(a, c)), (m, p, k)
 
 
-def test_fused_head_gives_the_reference_bits_forward_and_backward():
+def test_exact_gemm_option_picks_a_path_and_refuses_unknown_modes():
+    rich = DEVICE.type == "cuda" and torch.cuda.get_device_capability() in FP64_RICH_CAPABILITIES
+    assert TritonBackend().gemm_path(DEVICE) == ("fp64" if rich else "int8")
+    assert TritonBackend().gemm_path(torch.device("cpu")) == "int8"
+    assert TritonBackend(exact_gemm="fp64").gemm_path(torch.device("cpu")) == "fp64"
+    with pytest.raises(ValueError, match=r"exact_gemm must be one of .*, got 'bf16'"):
+        TritonBackend(exact_gemm="bf16")
+    impl = get_backend("triton", DEVICE)
+    with pytest.raises(ValueError, match=r"exact_gemm must be one of .*, got 'fp32'"):
+        with backend_option(impl, "exact_gemm", "fp32"):
+            impl.gemm_path(DEVICE)
+    assert impl.exact_gemm == "auto"  # put back
+
+
+def test_exact_dot_takes_the_path_its_option_names(monkeypatch):
+    calls = []
+
+    def spy(name):
+        # the integers on the CPU (torch has no int64 GEMM on CUDA), back on a's device
+        return lambda a, c: calls.append(name) or lc.exact_dot(a.cpu(), c.cpu()).to(a.device)
+
+    monkeypatch.setattr(linear_kernels, "exact_dot", spy("int8"))
+    monkeypatch.setattr(lc, "float_exact_dot", spy("fp64"))
+    a = torch.ones(2, 3, dtype=torch.float64, device=DEVICE)
+    for mode in ("int8", "fp64"):
+        assert torch.equal(TritonBackend(exact_gemm=mode).exact_dot(a, a).cpu(),
+                           torch.full((2, 2), 3, dtype=torch.int64))  # fmt: skip
+    assert calls == ["int8", "fp64"]
+
+
+@pytest.mark.parametrize("gemm", ["int8", "fp64"])
+def test_fused_head_gives_the_reference_bits_forward_and_backward(gemm):
     h, w, t = lm_head_inputs(9, 40, 90, torch.bfloat16, seed=3)
     t[2] = -100
     bias = (0.1 * torch.randn(90, generator=torch.Generator().manual_seed(1))).bfloat16()
     results = []
-    for backend, device in (("reference", "cpu"), ("triton", DEVICE)):
-        hh, ww, bb = (x.to(device).requires_grad_(True) for x in (h, w, bias))
-        res = exactlogp.linear_selected_logprobs(
-            hh, ww, t.to(device), bias=bb, with_entropy=True, logit_scale=0.5, backend=backend
-        )
-        (res.logprobs.sum() + 0.5 * res.entropy.sum()).backward()
+    triton = backend_option(get_backend("triton", DEVICE), "exact_gemm", gemm)
+    for backend, device, path in (("reference", "cpu", None), ("triton", DEVICE, triton)):
+        hh, ww, bb = (x.to(device).detach().requires_grad_(True) for x in (h, w, bias))
+        with path or contextlib.nullcontext():
+            res = exactlogp.linear_selected_logprobs(
+                hh, ww, t.to(device), bias=bb, with_entropy=True, logit_scale=0.5,
+                backend=backend,
+            )  # fmt: skip
+            (res.logprobs.sum() + 0.5 * res.entropy.sum()).backward()
         results.append([x.detach().cpu() for x in (*res, hh.grad, ww.grad, bb.grad)])
     for a, b in zip(*results, strict=True):
         assert_bitwise_equal(a, b)

@@ -73,15 +73,21 @@ def bad_temperature(temperature) -> torch.Tensor | None:
 
 
 @contextlib.contextmanager
-def value_tables_mode(impl, mode: str):
-    """Backend `impl` (one with value tables: cpu, triton) in value-table mode `mode` for the
-    block, its mode put back after: a speed choice only, the bits are the same."""
-    before = impl.value_tables
-    impl.value_tables = mode
+def backend_option(impl, option: str, mode: str):
+    """Backend `impl` with its speed option `option` set to `mode` for the block, put back
+    after: "value_tables" (cpu, triton) or "exact_gemm" (triton). The bits are the same."""
+    before = getattr(impl, option)
+    setattr(impl, option, mode)
     try:
         yield impl
     finally:
-        impl.value_tables = before
+        setattr(impl, option, before)
+
+
+def value_tables_mode(impl, mode: str):
+    """Backend `impl` (one with value tables: cpu, triton) in value-table mode `mode` for the
+    block, its mode put back after: a speed choice only, the bits are the same."""
+    return backend_option(impl, "value_tables", mode)
 
 
 class Backend:

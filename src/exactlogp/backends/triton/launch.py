@@ -300,21 +300,31 @@ def finalize(
 FP64_RICH_CAPABILITIES = {(6, 0), (7, 0), (8, 0), (9, 0), (10, 0)}
 TABLE_MIN_COLS = 8192
 _TABLE_MODES = ("auto", "always", "never")
+# The exact LM head's integer GEMM (linear_contract L3): "fp64" is cuBLAS DGEMM over
+# K-chunks (linear_contract.float_exact_dot: every partial sum an integer below 2^53, exact
+# in any order); "int8" the nine int8 tensor-core GEMMs of linear_kernels.py. "auto": fp64
+# on FP64_RICH_CAPABILITIES, int8 elsewhere. The same integers either way.
+_GEMM_MODES = ("auto", "fp64", "int8")
 
 
 class TritonBackend(Backend):
     """the contract on a GPU through Triton (or on CPU tensors under TRITON_INTERPRET=1).
 
     `value_tables`: "auto" (16-bit rows of at least TABLE_MIN_COLS columns on GPUs outside
-    FP64_RICH_CAPABILITIES), "always" (16-bit rows) or "never" -- a speed choice only:
-    every mode gives the same bits (value_tables.py)."""
+    FP64_RICH_CAPABILITIES), "always" (16-bit rows) or "never"; `exact_gemm`: the exact
+    LM head's integer GEMM, "auto" (fp64 on FP64_RICH_CAPABILITIES, else int8), "fp64" or
+    "int8". Both are speed choices only: every mode gives the same bits (value_tables.py,
+    linear_kernels.py)."""
 
     name = "triton"
 
-    def __init__(self, value_tables: str = "auto"):
+    def __init__(self, value_tables: str = "auto", exact_gemm: str = "auto"):
         if value_tables not in _TABLE_MODES:
             raise ValueError(f"value_tables must be one of {_TABLE_MODES}, got {value_tables!r}")
+        if exact_gemm not in _GEMM_MODES:
+            raise ValueError(f"exact_gemm must be one of {_GEMM_MODES}, got {exact_gemm!r}")
         self.value_tables = value_tables
+        self.exact_gemm = exact_gemm
 
     def uses_tables(self, logits, plan: ShardPlan) -> bool:
         from . import value_tables
@@ -378,9 +388,22 @@ class TritonBackend(Backend):
             )
         return grad(logits, target, temperature, keep_mask, stats, plan)
 
+    def gemm_path(self, device: torch.device) -> str:
+        """How exact_dot computes on `device`, "fp64" or "int8" (see _GEMM_MODES)."""
+        if self.exact_gemm not in _GEMM_MODES:
+            raise ValueError(f"exact_gemm must be one of {_GEMM_MODES}, got {self.exact_gemm!r}")
+        if self.exact_gemm != "auto":
+            return self.exact_gemm
+        rich = (device.type == "cuda"
+                and torch.cuda.get_device_capability(device) in FP64_RICH_CAPABILITIES)  # fmt: skip
+        return "fp64" if rich else "int8"
+
     def exact_dot(self, a, c):
-        """linear_contract.exact_dot as nine int8 GEMMs with int32 accumulation
-        (linear_kernels.py): int8 tensor cores on a GPU, the same integers everywhere."""
+        """linear_contract.exact_dot: cuBLAS DGEMM over K-chunks where fp64 is fast (on an
+        H200 ~40x the int8 kernel's speed, docs/performance_gpu.md), else nine int8 GEMMs
+        with int32 accumulation (linear_kernels.py). The same integers everywhere."""
+        if self.gemm_path(a.device) == "fp64":
+            return super().exact_dot(a, c)
         from . import linear_kernels
 
         return _on_device(linear_kernels.exact_dot)(a, c)
