@@ -59,6 +59,15 @@ def test_gpu_check_runs_end_to_end_in_the_interpreter(tmp_path):
     # the drawn records include S = 0 rows, whose arithmetic NaN payload the device picks
     assert {r["status"] for r in drawn} <= {"bitwise-equal", "equal-except-NaN-payload"}
     assert {r["output"] for r in drawn} == set(Finalized._fields)
+    # every stage ran and was written (bandwidth needs CUDA)
+    cuda = torch.cuda.is_available()
+    stages = ["bits", "fused", "latency", *(["bandwidth"] if cuda else []), "ptx"]
+    assert report["stages_done"] == stages
+    # batch invariance: three heads x two batch sizes; the exact head agrees with itself
+    assert len(report["invariance"]) == 6
+    exact = [r for r in report["invariance"] if r["must_agree"]]
+    assert len(exact) == 2
+    assert all(r["logits_rows_differing"] == 0 == r["logprobs_differing"] for r in exact)
     candidates = {r["candidate"] for r in report["latency"]}
     assert {"torch_full[row_block=all]", "exactlogp finalize kernel alone"} <= candidates
     if importlib.util.find_spec("megatron") is not None:  # the real baseline ran too

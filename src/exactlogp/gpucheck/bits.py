@@ -63,9 +63,12 @@ def bit_cases(tiny: bool) -> list[BitCase]:
     tp4 = dataclasses.replace(full, name="qwen3next-tp4", shards=TP)
     fp16 = BitCase("fp16-temp-mask-pad", 257, 50304, torch.float16, 50257, "per_row", 0.6, True)
     fp32 = BitCase("fp32-edge", 64, 4096, torch.float32, None, "0.7", None, True)
+    # a decode step: one row (Triton compiles a size of 1 as a constant)
+    decode = BitCase("decode-1row", 1, QWEN3_NEXT_VOCAB, torch.bfloat16, None, "0.7")
     return [
         full, tp4, forced(full, "never"), forced(full, "always"), forced(tp4, "always"),
         fp16, forced(fp16, "always"), forced(fp16, "never"), fp32,
+        decode, forced(decode, "always"),
     ]  # fmt: skip
 
 

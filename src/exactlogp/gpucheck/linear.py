@@ -1,9 +1,14 @@
 """Stage 5 of the GPU check: the exact fused LM head on the device.
 
 Bits: linear_logits and linear_selected_logprobs (outputs and the hidden, weight and bias
-gradients) of the Triton backend -- its exact GEMM on int8 slices -- against the reference
-backend on the CPU, on realistic rows (testing.lm_head_inputs). Latency (CUDA events,
-interleaved): the fused forward and forward+backward at the Qwen3-Next TP4 shape (1024
+gradients) of the Triton backend -- its exact GEMM on each path, cuBLAS DGEMM ("fp64") and
+int8 slices ("int8") -- against the reference backend on the CPU, on realistic rows
+(testing.lm_head_inputs). Batch invariance on the
+device: the same rows' logits and logprobs computed one row at a time (a decode step), in
+batches of 7 and all at once (a prefill), by the exact head and by the torch LM heads a
+trainer or rollout runs instead (cuBLAS bf16 and fp32 GEMMs, then exactlogp on their
+logits): how many rows differ between batch sizes. Latency (CUDA events,
+interleaved): the fused forward and forward+backward on each GEMM path at the Qwen3-Next TP4 shape (1024
 rows, H = 2048, V_local = 37984, bf16, a TP group of one) against what a Megatron trainer
 runs instead: its bf16 LM-head GEMM followed by the real megatron-core
 vocab_parallel_cross_entropy, and the bf16 GEMM + fp32 log_softmax + gather.
@@ -15,10 +20,18 @@ import torch
 
 import exactlogp
 
+from ..backends import get_backend
+from ..backends.base import backend_option
 from ..report import candidates, measure, worlds
 from ..testing import compare_bits, lm_head_inputs
 
 QWEN3_NEXT_HIDDEN = 2048
+GEMM_PATHS = ("fp64", "int8")  # TritonBackend's exact_gemm modes
+
+
+def gemm_path(device: torch.device, mode: str):
+    """The Triton backend on `device` with its exact GEMM on path `mode`."""
+    return backend_option(get_backend("triton", device), "exact_gemm", mode)
 
 
 def run_bits(device: torch.device, tiny: bool, log) -> list[dict]:
@@ -29,7 +42,7 @@ def run_bits(device: torch.device, tiny: bool, log) -> list[dict]:
     out = []
 
     def run(backend, dev):
-        hh, ww, bb = (x.to(dev).requires_grad_(True) for x in (hid, w, bias))
+        hh, ww, bb = (x.to(dev).detach().requires_grad_(True) for x in (hid, w, bias))
         z = exactlogp.linear_logits(hh.detach(), ww.detach(), bb.detach(), backend=backend)
         res = exactlogp.linear_selected_logprobs(
             hh, ww, t.to(dev), bias=bb, with_entropy=True, backend=backend
@@ -39,12 +52,74 @@ def run_bits(device: torch.device, tiny: bool, log) -> list[dict]:
                  "grad hidden": hh.grad, "grad weight": ww.grad, "grad bias": bb.grad}  # fmt: skip
         return {k: x.detach().cpu() for k, x in named.items()}
 
-    log(f"  fused head {n} x {h} x {v}: triton on {device} vs reference on the CPU")
-    got, want = run("triton", device), run("reference", torch.device("cpu"))
-    for name in want:
-        row = compare_bits(got[name], want[name])
-        out.append({"case": f"fused-head {n}x{h}x{v}", "entropy": True, "output": name, **row})
+    want = run("reference", torch.device("cpu"))
+    for mode in GEMM_PATHS:
+        log(f"  fused head {n} x {h} x {v}: triton ({mode} GEMM) on {device}, reference on CPU")
+        with gemm_path(device, mode):
+            got = run("triton", device)
+        for name in want:
+            row = compare_bits(got[name], want[name])
+            out.append({"case": f"fused-head {n}x{h}x{v} gemm={mode}", "entropy": True,
+                        "output": name, **row})  # fmt: skip
     return out
+
+
+BATCHES = (1, 7)  # rows per call, against all rows in one call
+
+
+def _row_differs(a: torch.Tensor, b: torch.Tensor) -> int:
+    """How many rows of a and b differ in any bit (NaN nowhere here)."""
+    a, b = a.detach().cpu(), b.detach().cpu()
+    if a.dim() == 1:
+        a, b = a.unsqueeze(-1), b.unsqueeze(-1)
+    return int((a.view(torch.int32 if a.dtype == torch.float32 else torch.int16)
+                != b.view(torch.int32 if b.dtype == torch.float32 else torch.int16))
+               .any(dim=-1).sum())  # fmt: skip
+
+
+def batch_invariance(device: torch.device, tiny: bool, log) -> list[dict]:
+    """Rows' logits and logprobs computed in batches of `BATCHES` rows against all rows in
+    one call, for the exact head and for torch heads + exactlogp. The exact head must agree
+    (a failure otherwise); the torch heads' counts are what the device's GEMMs do."""
+    n, h, v = (8, 48, 200) if tiny else (256, QWEN3_NEXT_HIDDEN, 37984)
+    hid, w, t = (x.to(device) for x in lm_head_inputs(n, h, v, torch.bfloat16, seed=23))
+
+    def exact(rows):
+        z = exactlogp.linear_logits(hid[rows], w)
+        lp = exactlogp.linear_selected_logprobs(hid[rows], w, t[rows], validate=False)
+        return z, lp.logprobs
+
+    def torch_head(dtype):
+        def run(rows):
+            z = hid[rows].to(dtype) @ w.to(dtype).T
+            return z, exactlogp.selected_logprobs(z, t[rows], validate=False).logprobs
+
+        return run
+
+    heads = {"exact fused LM head (linear_logits, linear_selected_logprobs)": exact,
+             "torch bf16 LM head (x @ w.T) + exactlogp": torch_head(torch.bfloat16),
+             "torch fp32 LM head (x @ w.T) + exactlogp": torch_head(torch.float32)}  # fmt: skip
+    out = []
+    with torch.no_grad():
+        for name, head in heads.items():
+            whole = head(slice(0, n))
+            for batch in BATCHES:
+                parts = [head(slice(i, min(i + batch, n))) for i in range(0, n, batch)]
+                z = torch.cat([p[0] for p in parts])
+                lp = torch.cat([p[1] for p in parts])
+                out.append({"head": name, "batch": batch, "against": n, "rows": n,
+                            "logits_rows_differing": _row_differs(z, whole[0]),
+                            "logprobs_differing": _row_differs(lp, whole[1]),
+                            "must_agree": name.startswith("exact")})  # fmt: skip
+            log(f"  batch invariance {n} x {h} x {v}: {name}: "
+                + ", ".join(f"batch {r['batch']}: {r['logits_rows_differing']} rows' logits, "
+                            f"{r['logprobs_differing']} logprobs differ" for r in out[-len(BATCHES):]))  # fmt: skip
+    return out
+
+
+def invariance_passed(row: dict) -> bool:
+    return not row["must_agree"] or (row["logits_rows_differing"] == 0
+                                     and row["logprobs_differing"] == 0)  # fmt: skip
 
 
 def latency(device: torch.device, tiny: bool, repeats: int, warmup: int, log) -> list[dict]:
@@ -56,12 +131,16 @@ def latency(device: torch.device, tiny: bool, repeats: int, warmup: int, log) ->
     def with_grad():
         return hid.detach().requires_grad_(True), w.detach().requires_grad_(True)
 
-    def exact(backward):
-        x, wt = with_grad() if backward else (hid, w)
-        res = exactlogp.linear_selected_logprobs(x, wt, t, validate=False)
-        if backward:
-            (-res.logprobs.sum()).backward()
-        return res.logprobs
+    def exact(mode):
+        def step(backward):
+            x, wt = with_grad() if backward else (hid, w)
+            with gemm_path(device, mode):
+                res = exactlogp.linear_selected_logprobs(x, wt, t, validate=False)
+                if backward:
+                    (-res.logprobs.sum()).backward()
+            return res.logprobs
+
+        return step
 
     def torch_pipeline(backward):
         x, wt = with_grad() if backward else (hid, w)
@@ -70,7 +149,8 @@ def latency(device: torch.device, tiny: bool, repeats: int, warmup: int, log) ->
             (-lp.sum()).backward()
         return lp
 
-    steps["exactlogp linear_selected_logprobs (triton)"] = exact
+    for mode in GEMM_PATHS:
+        steps[f"exactlogp linear_selected_logprobs (triton, {mode} GEMM)"] = exact(mode)
     steps["torch bf16 GEMM + fp32 log_softmax"] = torch_pipeline
     clock = measure.CudaEventClock(device) if device.type == "cuda" else None
     log(f"  fused head latency {n} x {h} x {v}")

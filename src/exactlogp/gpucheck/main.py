@@ -12,7 +12,8 @@
    sums, every bad flag, ignored rows) against contract.finalize on the CPU, every field.
    And the forward with validate=False under torch.cuda.set_sync_debug_mode("error").
 2. Latency (CUDA events, L2 flushed before each run; median of --repeats after --warmup
-   runs, the steps interleaved in a seeded order shuffled per round) on the TP4 shard and
+   runs, the steps interleaved in a seeded order shuffled per round; beside each forward
+   its host time, the CPU's seconds inside one call) on the TP4 shard and
    the full vocabulary, bf16. The headline is exactlogp's whole forward (max pass, term
    pass and the fused finalize, through the public API, on a TP group of one) on the TP4
    shard. Against it: the real megatron-core `vocab_parallel_cross_entropy`, eager torch
@@ -23,9 +24,13 @@
 3. The max pass's achieved HBM bandwidth (bytes read / time), beside a device copy's.
 4. The kernels compiled for this GPU's architecture and their code checked (ptx.py).
 5. The exact fused LM head (linear.py): bits of the Triton backend against the reference on
-   the CPU, and its latency against the bf16 LM-head GEMM + megatron-core's CE.
+   the CPU; batch invariance on the device (rows' logits and logprobs one row per call, 7
+   per call and all at once: the exact head must agree, the torch bf16 / fp32 heads'
+   differences are counted); its latency against the bf16 LM-head GEMM + megatron-core's CE.
 
-Writes gpu_check.json and gpu_check.md to --out.
+The stages run in the order bits, fused LM head, latency, bandwidth, compiled code, and
+gpu_check.json and gpu_check.md are written to --out after each one, so a run cut short
+keeps the stages it finished ("stages run" in the report).
 
     PYTHONPATH=src python benchmarks/gpu_check.py --out reports/gpu
     TRITON_INTERPRET=1 PYTHONPATH=src python benchmarks/gpu_check.py --tiny --out /tmp/gc
@@ -88,6 +93,7 @@ def markdown(report: dict) -> str:
     env = report["environment"]
     lines = ["# exactlogp Triton backend: GPU check", ""]
     lines += [f"- {k}: {v}" for k, v in env.items()]
+    lines += [f"- stages run: {', '.join(report.get('stages_done', [])) or 'none yet'}"]
     lines += ["", "## 1. Bits: Triton on the device vs a CPU backend (every row)", "",
               "| case | entropy | output | result |", "|---|---|---|---|"]  # fmt: skip
     for r in report["bits"]:
@@ -97,12 +103,21 @@ def markdown(report: dict) -> str:
     if report.get("sync"):
         lines += ["", "| host sync check | result | detail |", "|---|---|---|"]
         lines += [f"| {r['check']} | {r['status']} | {r['detail']} |" for r in report["sync"]]
+    if report.get("invariance"):
+        lines += ["", "| batch invariance on the device | rows per call vs all at once "
+                  "| rows whose logits differ | logprobs differing |", "|---|---|---|---|"]  # fmt: skip
+        lines += [f"| {r['head']} | {r['batch']} vs {r['against']} | "
+                  f"{r['logits_rows_differing']}/{r['rows']} | {r['logprobs_differing']}/{r['rows']} |"
+                  for r in report["invariance"]]  # fmt: skip
     lines += ["", "## 2. Latency (median, p10-p90, microseconds)", ""]
     lines += [speed.headline(report["latency"], env["device"]), ""]
-    lines += ["| shape | candidate | forward | forward+backward |", "|---|---|---|---|"]
+    lines += ["| shape | candidate | forward | forward+backward | host time of a forward |",
+              "|---|---|---|---|---|"]  # fmt: skip
     for r in report["latency"]:
+        host = r.get("host_forward")
         lines.append(f"| {r['shape']} {r['rows']}x{r['cols']} | {r['candidate']} "
-                     f"| {_us(r['forward'])} | {_us(r['forward_backward'])} |")  # fmt: skip
+                     f"| {_us(r['forward'])} | {_us(r['forward_backward'])} "
+                     f"| {'-' if host is None else f'{host * 1e6:.1f}'} |")  # fmt: skip
     lines += ["", "## 3. Bandwidth", "", "| what | bytes | median us | GB/s |", "|---|---|---|---|"]
     for r in report["bandwidth"]:
         lines.append(
@@ -170,35 +185,49 @@ def main(argv: list[str] | None = None) -> int:
               {"tp4-shard": (1024, bits.QWEN3_NEXT_VOCAB // bits.TP),
                "full-vocab": (1024, bits.QWEN3_NEXT_VOCAB)})  # fmt: skip
     report = {"environment": environment(device), "bits": [], "sync": [], "latency": [],
-              "bandwidth": [], "ptx": [], "ptx_arch": None, "notes": []}  # fmt: skip
+              "invariance": [], "bandwidth": [], "ptx": [], "ptx_arch": None, "notes": [],
+              "stages_done": []}  # fmt: skip
     if device.type == "cpu":
         report["notes"].append("CPU run in the Triton interpreter: timings are not GPU "
                                "figures; CUDA graphs and the bandwidth stage were skipped")  # fmt: skip
     started = time.perf_counter()
+    args.out.mkdir(parents=True, exist_ok=True)
+
+    def save(stage: str) -> None:  # after every stage: a run cut short keeps what it did
+        report["elapsed_s"] = time.perf_counter() - started
+        report["stages_done"].append(stage)
+        (args.out / "gpu_check.json").write_text(json.dumps(report, indent=1, default=str))
+        (args.out / "gpu_check.md").write_text(markdown(report))
+        log(f"  [{stage} done, {report['elapsed_s']:.0f} s; written to {args.out}]")
+
     if "bits" not in args.skip:
-        log("1. bits")
+        log("bits")
         report["bits"], report["sync"] = bits.run(
             device, args.tiny, args.ref_rows, log, args.ref_backend
         )
-    if "latency" not in args.skip:
-        log("2. latency")
-        report["latency"], notes = speed.latency(shapes, device, args.repeats, args.warmup, log)
-        report["notes"] += notes
-    if "bandwidth" not in args.skip and device.type == "cuda":
-        log("3. bandwidth")
-        report["bandwidth"] = speed.bandwidth(shapes, device, args.repeats, args.warmup)
-    if "ptx" not in args.skip:
-        log("4. compiled code")
-        _ptx(device, args.tiny, report, log)
+        save("bits")
     if "fused" not in args.skip:
-        log("5. the fused LM head")
+        log("the fused LM head")
         report["bits"] += linear.run_bits(device, args.tiny, log)
+        report["invariance"] = linear.batch_invariance(device, args.tiny, log)
         report["latency"] += linear.latency(device, args.tiny, args.repeats, args.warmup, log)
-    report["elapsed_s"] = time.perf_counter() - started
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "gpu_check.json").write_text(json.dumps(report, indent=1, default=str))
-    (args.out / "gpu_check.md").write_text(markdown(report))
+        save("fused")
+    if "latency" not in args.skip:
+        log("latency")
+        rows, notes = speed.latency(shapes, device, args.repeats, args.warmup, log)
+        report["latency"] = rows + report["latency"]
+        report["notes"] += notes
+        save("latency")
+    if "bandwidth" not in args.skip and device.type == "cuda":
+        log("bandwidth")
+        report["bandwidth"] = speed.bandwidth(shapes, device, args.repeats, args.warmup)
+        save("bandwidth")
+    if "ptx" not in args.skip:
+        log("compiled code")
+        _ptx(device, args.tiny, report, log)
+        save("ptx")
     log(markdown(report))
     ok = all(bits.passed(r) for r in report["bits"])
+    ok = ok and all(linear.invariance_passed(r) for r in report["invariance"])
     ok = ok and all(r["status"] == "no-sync" for r in report["sync"])
     return 0 if ok and all(r["ok"] for r in report["ptx"]) else 1

@@ -8,12 +8,17 @@ with the value tables forced off and on), the real megatron-core
 forward+backward — beside exactlogp's parts: the two local passes, the finalize kernel
 alone (and the unfused contract.finalize in torch ops), and on CUDA the forward replayed
 from a CUDA graph. Every step is timed by measure.interleaved (seeded order shuffled per
-round, after the warm-up runs), with CUDA events and L2 flushed on a GPU.
+round, after the warm-up runs), with CUDA events and L2 flushed on a GPU. Beside each
+forward, its host time: the CPU's seconds inside one call, the device idle before it and
+nothing synchronised inside (the median of HOST_CALLS); where it exceeds the GPU time the
+figure measures Python and launches, not kernels.
 
 Bandwidth: the max pass's bytes read over its time, beside a device copy's.
 """
 
 from __future__ import annotations
+
+import time
 
 import torch
 
@@ -34,6 +39,19 @@ TRITON_PATHS = tuple(
 )
 CANDIDATES = (HEADLINE, *TRITON_PATHS, "megatron_ce", "torch_full[row_block=all]", "torch_compile")
 GRAPH = "exactlogp triton (CUDA graph replay, no collectives)"
+HOST_CALLS = 20
+
+
+def host_seconds(fn, device: torch.device, calls: int = HOST_CALLS) -> float:
+    """Median CPU seconds inside one call of fn, the device's queue drained before each."""
+    seconds = []
+    for _ in range(calls):
+        measure.sync(device)
+        start = time.perf_counter()
+        fn()
+        seconds.append(time.perf_counter() - start)
+    measure.sync(device)
+    return measure.percentile(seconds, 50)
 
 
 def clock(device: torch.device):
@@ -102,6 +120,9 @@ def latency(shapes: dict, device, repeats: int, warmup: int, log) -> tuple[list[
                 extra |= _graph_step(x, target, notes)
             steps |= {(name, "forward"): fn for name, fn in extra.items()}
             seconds = measure.interleaved(steps, repeats, warmup=warmup, clock=clock(device))
+            calls = HOST_CALLS if device.type == "cuda" else 2  # the interpreter: a token
+            host = {name: host_seconds(fn, device, calls) for (name, mode), fn in steps.items()
+                    if mode == "forward"}  # fmt: skip
         for name in [*cands, *extra]:
             timing = {
                 mode: vars(measure.Timing.of(seconds[name, mode]))
@@ -110,7 +131,7 @@ def latency(shapes: dict, device, repeats: int, warmup: int, log) -> tuple[list[
                 for mode in MODES
             }
             rows.append({"shape": label, "rows": n, "cols": cols.get(name, v), "candidate": name,
-                         **timing})  # fmt: skip
+                         **timing, "host_forward": host.get(name)})  # fmt: skip
             log(f"  {label} {name}: fwd {timing['forward']['median'] * 1e6:.1f} us")
     return rows, list(dict.fromkeys(notes))
 
