@@ -3,15 +3,15 @@
 Bits: linear_logits and linear_selected_logprobs (outputs and the hidden, weight and bias
 gradients) of the Triton backend -- its exact GEMM on each path, cuBLAS DGEMM ("fp64") and
 int8 slices ("int8") -- against the reference backend on the CPU, on realistic rows
-(testing.lm_head_inputs). Batch invariance on the
-device: the same rows' logits and logprobs computed one row at a time (a decode step), in
-batches of 7 and all at once (a prefill), by the exact head and by the torch LM heads a
-trainer or rollout runs instead (cuBLAS bf16 and fp32 GEMMs, then exactlogp on their
-logits): how many rows differ between batch sizes. Latency (CUDA events,
-interleaved): the fused forward and forward+backward on each GEMM path at the Qwen3-Next TP4 shape (1024
-rows, H = 2048, V_local = 37984, bf16, a TP group of one) against what a Megatron trainer
-runs instead: its bf16 LM-head GEMM followed by the real megatron-core
-vocab_parallel_cross_entropy, and the bf16 GEMM + fp32 log_softmax + gather.
+(testing.lm_head_inputs). Batch invariance on the device: the same rows' logits and
+logprobs computed one row per call (a decode step), 7 rows per call and all at once (a
+prefill), by the exact head and by the torch LM heads a trainer or rollout runs instead
+(cuBLAS bf16 and fp32 GEMMs, then exactlogp on their logits): how many rows differ
+between batch sizes. Latency (CUDA events, interleaved): the fused forward and
+forward+backward on each GEMM path at the Qwen3-Next TP4 shape (1024 rows, H = 2048,
+V_local = 37984, bf16, a TP group of one) against what a Megatron trainer runs instead:
+its bf16 LM-head GEMM followed by the real megatron-core vocab_parallel_cross_entropy, and
+the bf16 GEMM + fp32 log_softmax + gather.
 """
 
 from __future__ import annotations
