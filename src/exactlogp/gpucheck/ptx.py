@@ -131,7 +131,7 @@ HIDDEN = 2048  # the exact GEMM's K: Qwen3-Next's hidden size
 
 
 def launched(v: Variant, vocab: int = VOCAB, sms: int = SMS) -> list:
-    """[(kernel, args, kwargs)] of the launches the Triton backend makes for `v` on `rows`
+    """[(kernel, args, kwargs)] of the launches the Triton backend makes for `v` on `v.rows`
     x `vocab` logits on a GPU of `sms` multiprocessors (the first of each kernel), from the
     launch code itself: uninitialised CPU tensors of the real dtypes, shapes and strides
     stand in for the device ones (the compile specialises on dtypes, pointer alignment and
