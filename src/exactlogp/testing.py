@@ -428,7 +428,7 @@ def compare_bits(actual: torch.Tensor, expected: torch.Tensor) -> dict:
     if got.dtype != want.dtype or got.shape != want.shape:
         detail = f"{got.dtype}{tuple(got.shape)} vs {want.dtype}{tuple(want.shape)}"
         return {"status": "DIFFERENT", "detail": detail}
-    differ = _bits(got) != _bits(want)
+    differ = bit_pattern(got) != bit_pattern(want)
     if not differ.any():
         return {"status": "bitwise-equal"}
     if got.is_floating_point():
@@ -454,7 +454,8 @@ def assert_bitwise_equal(actual: torch.Tensor, expected: torch.Tensor, what: str
     )
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
+def bit_pattern(t: torch.Tensor) -> torch.Tensor:
+    """t's bits as an integer tensor of its element size, on the CPU (integers as they are)."""
     t = t.detach().cpu().contiguous()
     view = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[t.element_size()]
     return t.view(view) if t.is_floating_point() else t

@@ -23,7 +23,7 @@ import exactlogp
 from ..backends import get_backend
 from ..backends.base import backend_option
 from ..report import candidates, measure, worlds
-from ..testing import compare_bits, lm_head_inputs
+from ..testing import bit_pattern, compare_bits, lm_head_inputs
 
 QWEN3_NEXT_HIDDEN = 2048
 GEMM_PATHS = ("fp64", "int8")  # TritonBackend's exact_gemm modes
@@ -69,12 +69,8 @@ BATCHES = (1, 7)  # rows per call, against all rows in one call
 
 def _row_differs(a: torch.Tensor, b: torch.Tensor) -> int:
     """How many rows of a and b differ in any bit (NaN nowhere here)."""
-    a, b = a.detach().cpu(), b.detach().cpu()
-    if a.dim() == 1:
-        a, b = a.unsqueeze(-1), b.unsqueeze(-1)
-    return int((a.view(torch.int32 if a.dtype == torch.float32 else torch.int16)
-                != b.view(torch.int32 if b.dtype == torch.float32 else torch.int16))
-               .any(dim=-1).sum())  # fmt: skip
+    differ = bit_pattern(a) != bit_pattern(b)
+    return int(differ.reshape(differ.shape[0], -1).any(dim=-1).sum())
 
 
 def batch_invariance(device: torch.device, tiny: bool, log) -> list[dict]:

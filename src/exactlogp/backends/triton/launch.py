@@ -307,6 +307,13 @@ _TABLE_MODES = ("auto", "always", "never")
 _GEMM_MODES = ("auto", "fp64", "int8")
 
 
+def _mode(option: str, value: str, modes: tuple[str, ...]) -> str:
+    """`value` if it is one of `modes`, else a ValueError naming `option`."""
+    if value not in modes:
+        raise ValueError(f"{option} must be one of {modes}, got {value!r}")
+    return value
+
+
 class TritonBackend(Backend):
     """the contract on a GPU through Triton (or on CPU tensors under TRITON_INTERPRET=1).
 
@@ -319,12 +326,8 @@ class TritonBackend(Backend):
     name = "triton"
 
     def __init__(self, value_tables: str = "auto", exact_gemm: str = "auto"):
-        if value_tables not in _TABLE_MODES:
-            raise ValueError(f"value_tables must be one of {_TABLE_MODES}, got {value_tables!r}")
-        if exact_gemm not in _GEMM_MODES:
-            raise ValueError(f"exact_gemm must be one of {_GEMM_MODES}, got {exact_gemm!r}")
-        self.value_tables = value_tables
-        self.exact_gemm = exact_gemm
+        self.value_tables = _mode("value_tables", value_tables, _TABLE_MODES)
+        self.exact_gemm = _mode("exact_gemm", exact_gemm, _GEMM_MODES)
 
     def uses_tables(self, logits, plan: ShardPlan) -> bool:
         from . import value_tables
@@ -390,10 +393,9 @@ class TritonBackend(Backend):
 
     def gemm_path(self, device: torch.device) -> str:
         """How exact_dot computes on `device`, "fp64" or "int8" (see _GEMM_MODES)."""
-        if self.exact_gemm not in _GEMM_MODES:
-            raise ValueError(f"exact_gemm must be one of {_GEMM_MODES}, got {self.exact_gemm!r}")
-        if self.exact_gemm != "auto":
-            return self.exact_gemm
+        mode = _mode("exact_gemm", self.exact_gemm, _GEMM_MODES)  # backend_option may set it
+        if mode != "auto":
+            return mode
         rich = (device.type == "cuda"
                 and torch.cuda.get_device_capability(device) in FP64_RICH_CAPABILITIES)  # fmt: skip
         return "fp64" if rich else "int8"
