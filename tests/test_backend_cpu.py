@@ -27,6 +27,7 @@ import exactlogp
 from exactlogp import contract
 from exactlogp.backends import ShardPlan, cpu_build, get_backend
 from exactlogp.contract import GradStats
+from exactlogp.temperature import ONE, Temperature
 from exactlogp.testing import assert_bitwise_equal, llm_like_logits, simulate_shards
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -34,16 +35,15 @@ CPU = torch.device("cpu")
 
 
 @pytest.fixture(params=["never", "always"], ids=["direct", "tables"])
-def cpu(request, monkeypatch):
-    """The registered CPU backend (what backend="cpu" runs), in one value-table mode."""
+def cpu(request):
+    """The registered CPU backend (what backend="cpu" runs) in one value-table mode."""
     try:
         backend = get_backend("cpu", CPU)
     except ValueError as exc:
         if "no C compiler found" not in str(exc):
             raise  # a compiler that fails to build the kernels is a failure, not a skip
         pytest.skip(str(exc))  # no C compiler on this machine: only the reference runs
-    monkeypatch.setattr(backend, "value_tables", request.param)
-    return backend
+    return backend.with_options(value_tables=request.param)
 
 
 def test_the_kernels_build_wherever_there_is_a_compiler():
@@ -137,7 +137,7 @@ def test_compiled_code_fma_only_in_simd_builds_and_uses_256_bit_vectors(cpu):
 
 
 def test_auto_picks_cpu_on_cpu(cpu):
-    assert get_backend("auto", CPU) is cpu
+    assert get_backend("auto", CPU) is get_backend("cpu", CPU)
     assert cpu.supports(torch.device("cpu")) and not cpu.supports(torch.device("meta"))
 
 
@@ -237,7 +237,7 @@ def _forward_backward(x, target, kw, backend, with_entropy, seed=3):
 @pytest.mark.parametrize("name", CASES)
 def test_api_forward_and_backward_match_reference(cpu, name, dtype, with_entropy):
     x, target, kw = _case(name, dtype)
-    outs_c, grad_c = _forward_backward(x, target, kw, "cpu", with_entropy)
+    outs_c, grad_c = _forward_backward(x, target, kw, cpu, with_entropy)
     outs_r, grad_r = _forward_backward(x, target, kw, "reference", with_entropy)
     for what, a, b in zip(("logprobs", "lse", "entropy"), outs_c, outs_r, strict=False):
         assert_bitwise_equal(a, b, f"{name} {what}")
@@ -249,7 +249,7 @@ def test_api_forward_and_backward_match_reference(cpu, name, dtype, with_entropy
 def test_small_shapes_match_reference(cpu, dtype, shape):
     x, target = llm_like_logits(max(shape[0], 1), shape[1], dtype, seed=shape[1])
     x, target = x[: shape[0]], target[: shape[0]]
-    outs_c, grad_c = _forward_backward(x, target, {}, "cpu", True)
+    outs_c, grad_c = _forward_backward(x, target, {}, cpu, True)
     outs_r, grad_r = _forward_backward(x, target, {}, "reference", True)
     for a, b in zip(outs_c, outs_r, strict=True):
         assert_bitwise_equal(a, b, f"{shape}")
@@ -268,7 +268,7 @@ def test_non_contiguous_inputs_are_read_not_changed(cpu):
     keep_base[torch.arange(6), target] = True
     for what, (x, keep) in inputs.items():
         before = x.clone()
-        outs_c, grad_c = _forward_backward(x, target, {"keep_mask": keep}, "cpu", True)
+        outs_c, grad_c = _forward_backward(x, target, {"keep_mask": keep}, cpu, True)
         outs_r, grad_r = _forward_backward(x, target, {"keep_mask": keep}, "reference", True)
         for a, b in zip(outs_c, outs_r, strict=True):
             assert_bitwise_equal(a, b, what)
@@ -290,10 +290,10 @@ def test_strided_rows_are_read_in_place(cpu):
     keep[:, :-1][torch.arange(3)[:, None], torch.arange(5)[None, :], target] = True
     rows = row_view(full[:, :-1, :])
     assert rows.dim() == 3 and rows.data_ptr() == full.data_ptr()
-    shard, alive = cpu._shard(rows, 1.0, None, ShardPlan(0, None, -100, False), "forward")
+    shard, alive = cpu._shard(rows, ONE, None, ShardPlan(0, None, -100, False), "forward")
     assert alive[0].data_ptr() == full.data_ptr()  # read in place
     results = []
-    for backend in ("cpu", "reference"):
+    for backend in (cpu, "reference"):
         leaf = full.clone().requires_grad_(True)
         res = exactlogp.selected_logprobs(
             leaf[:, :-1, :], target, keep_mask=keep[:, :-1, :], temperature=0.7,
@@ -318,11 +318,11 @@ def _stats_for(fin: contract.Finalized, seed: int) -> GradStats:
 
 def _compare_shards(cpu, ref, x, target, boundaries, **kw):
     """Record, max and finalize through simulate_shards, then every shard's gradient."""
-    fin_c = simulate_shards(x, target, boundaries, backend="cpu", **kw)
+    fin_c = simulate_shards(x, target, boundaries, backend=cpu, **kw)
     fin_r = simulate_shards(x, target, boundaries, backend="reference", **kw)
     for field in contract.Finalized._fields:
         assert_bitwise_equal(getattr(fin_c, field), getattr(fin_r, field), field)
-    tau = kw.get("temperature", 1.0)
+    tau = Temperature.of(kw.get("temperature", 1.0))
     keep = kw.get("keep_mask")
     plan_kw = dict(vocab_size=kw.get("vocab_size"), ignore_index=-100)
     for with_entropy in (False, True):
@@ -364,14 +364,15 @@ def test_row_length_past_the_exact_float_flush(cpu, ref):
     x[1, ::2] = -0.5
     target = torch.tensor([0, 1])
     plan = ShardPlan(0, None, -100, True)
-    m = ref.row_max(x, 1.0, None, plan)
-    assert_bitwise_equal(cpu.partials(x, target, 1.0, None, m, plan),
-                         ref.partials(x, target, 1.0, None, m, plan), "record")  # fmt: skip
+    m = ref.row_max(x, ONE, None, plan)
+    assert_bitwise_equal(cpu.partials(x, target, ONE, None, m, plan),
+                         ref.partials(x, target, ONE, None, m, plan), "record")  # fmt: skip
 
 
 def _assert_fused_equal(cpu, ref, x, target, tau, keep, plan):
     """The fused forward's row max and record through `cpu` equal the reference's;
     returns (cpu's, reference's) results."""
+    tau = Temperature.of(tau)
     fused = cpu.forward_unsharded(x, target, tau, keep, plan)
     expected = ref.forward_unsharded(x, target, tau, keep, plan)
     assert_bitwise_equal(fused[0], expected[0], "fused row max")
@@ -402,7 +403,7 @@ def test_record_of_every_pass_with_and_without_entropy(cpu, ref, dtype, with_ent
     keep = torch.rand(3, 20003, generator=torch.Generator().manual_seed(12)) < 0.7
     keep[torch.arange(3), target] = True
     plan = ShardPlan(0, None, -100, with_entropy)
-    for tau, mask in ((1.0, None), (0.8, keep)):
+    for tau, mask in ((ONE, None), (Temperature.of(0.8), keep)):
         m = ref.row_max(x, tau, mask, plan)
         expected = ref.partials(x, target, tau, mask, m, plan)
         assert_bitwise_equal(cpu.partials(x, target, tau, mask, m, plan), expected, "record")
@@ -438,8 +439,8 @@ def test_fused_forward_counts_every_non_finite_column(cpu, ref, dtype, isa):
     plan = ShardPlan(0, None, -100, False)
     for mask, bad_rows in ((None, 6), (keep, 5)):
         _, expected = _assert_fused_equal(cpu, ref, x, target, 1.0, mask, plan)
-        shard_max = cpu.row_max(x, 1.0, mask, plan)
-        assert_bitwise_equal(shard_max, ref.row_max(x, 1.0, mask, plan), "row max")
+        shard_max = cpu.row_max(x, ONE, mask, plan)
+        assert_bitwise_equal(shard_max, ref.row_max(x, ONE, mask, plan), "row max")
         assert_bitwise_equal(shard_max, expected[0], "row max and fused row max")
         counted = (expected[1][:, contract.COL_NONFINITE] != 0).tolist()
         assert counted == [True] * bad_rows + [False] * (8 - bad_rows)
@@ -497,10 +498,10 @@ def test_fp32_rows_of_bf16_values_and_nearly(cpu, ref, isa):
     keep[torch.arange(5), target] = True
     plan = ShardPlan(0, None, -100, True)
     for mask in (None, keep):
-        m = ref.row_max(x, 1.0, mask, plan)
-        expected = ref.partials(x, target, 1.0, mask, m, plan)
-        assert_bitwise_equal(cpu.partials(x, target, 1.0, mask, m, plan), expected, "record")
-        fused = cpu.forward_unsharded(x, target, 1.0, mask, plan)
+        m = ref.row_max(x, ONE, mask, plan)
+        expected = ref.partials(x, target, ONE, mask, m, plan)
+        assert_bitwise_equal(cpu.partials(x, target, ONE, mask, m, plan), expected, "record")
+        fused = cpu.forward_unsharded(x, target, ONE, mask, plan)
         assert_bitwise_equal(fused[0], m, "fused row max")
         assert_bitwise_equal(fused[1], expected, "fused record")
 
@@ -511,6 +512,7 @@ def test_fp32_rows_of_bf16_values_and_nearly(cpu, ref, isa):
 def _passes(backend, x, target, tau, keep, plan, seed=0, nan_rows=True):
     """(row max, record, gradient) of one shard through `backend`'s three passes;
     nan_rows=False computes the gradient of rows that finalize flagged bad too."""
+    tau = Temperature.of(tau)
     m = backend.row_max(x, tau, keep, plan)
     record = backend.partials(x, target, tau, keep, m, plan)
     fin = contract.finalize(m, record, target, plan.vocab_size, -100, None)
@@ -616,7 +618,7 @@ def test_value_tables_on_rows_of_one_sign_one_value_and_extreme_magnitudes(cpu, 
     x = torch.stack(rows).to(dtype)
     target = torch.arange(len(rows)) * 7
     kw = {"validate": False}
-    outs_c, grad_c = _forward_backward(x, target, kw, "cpu", True)
+    outs_c, grad_c = _forward_backward(x, target, kw, cpu, True)
     outs_r, grad_r = _forward_backward(x, target, kw, "reference", True)
     for what, a, b in zip(("logprobs", "lse", "entropy"), outs_c, outs_r, strict=True):
         assert_bitwise_equal(a, b, f"{dtype} {what}")
@@ -653,6 +655,7 @@ def test_every_fp16_value_in_one_row(cpu, ref):
 
 def _assert_unsharded_equal(cpu, ref, x, target, tau, keep, plan, what):
     """The fused whole-vocabulary forward: row max, record and every Finalized field."""
+    tau = Temperature.of(tau)
     a = cpu.forward_unsharded(x, target, tau, keep, plan)
     b = ref.forward_unsharded(x, target, tau, keep, plan)
     assert_bitwise_equal(a[0], b[0], f"{what}: row max")
@@ -662,12 +665,12 @@ def _assert_unsharded_equal(cpu, ref, x, target, tau, keep, plan, what):
 
 
 def test_auto_value_tables_match_reference_on_long_rows(ref):
-    """The default mode on rows past every TABLE_MIN_COLS threshold, for each dtype and
+    """The default mode on rows past every TABLE_MIN_COLS_BY_PASS threshold, for each dtype and
     for fp32 rows whose values are all exactly bf16 (read through the bf16 tables)."""
-    from exactlogp.backends.cpu import TABLE_MIN_COLS, CpuBackend
+    from exactlogp.backends.cpu import TABLE_MIN_COLS_BY_PASS, CpuBackend
 
     auto = CpuBackend(value_tables="auto")
-    cols = max(v for per_dtype in TABLE_MIN_COLS.values() for v in per_dtype.values())
+    cols = max(v for per_dtype in TABLE_MIN_COLS_BY_PASS.values() for v in per_dtype.values())
     for dtype in (*DTYPES, "bf16 as fp32"):
         bf16_as_fp32 = dtype == "bf16 as fp32"
         x, target = llm_like_logits(3, cols + 5, torch.bfloat16 if bf16_as_fp32 else dtype, 12)
@@ -720,23 +723,24 @@ def test_one_thread_and_many_threads_give_the_same_bits(ref, value_tables, dtype
     keep = torch.rand(64, 4099, generator=torch.Generator().manual_seed(1)) < 0.9
     keep[torch.arange(64), target] = True
     plan = ShardPlan(0, None, -100, True)
+    tau = Temperature.of(0.9)
     results = []
     for threads in (1, 2, 3, 8):
         b = CpuBackend(num_threads=threads, value_tables=value_tables)
-        m = b.row_max(x, 0.9, keep, plan)
-        record = b.partials(x, target, 0.9, keep, m, plan)
+        m = b.row_max(x, tau, keep, plan)
+        record = b.partials(x, target, tau, keep, m, plan)
         fin = contract.finalize(m, record, target, None, -100, None)
         stats = _stats_for(fin, seed=0)._replace(row_max=m)
-        m_fused, record_fused, fin_fused = b.forward_unsharded(x, target, 0.9, keep, plan)
+        m_fused, record_fused, fin_fused = b.forward_unsharded(x, target, tau, keep, plan)
         results.append(
-            (m, record, b.grad(x, target, 0.9, keep, stats, plan), m_fused, record_fused,
+            (m, record, b.grad(x, target, tau, keep, stats, plan), m_fused, record_fused,
              *fin_fused)
         )  # fmt: skip
     for other in results[1:]:
         for a, b in zip(results[0], other, strict=True):
             assert_bitwise_equal(a, b, "threads")
-    m_ref = ref.row_max(x, 0.9, keep, plan)
-    record_ref = ref.partials(x, target, 0.9, keep, m_ref, plan)
+    m_ref = ref.row_max(x, tau, keep, plan)
+    record_ref = ref.partials(x, target, tau, keep, m_ref, plan)
     assert_bitwise_equal(results[0][1], record_ref, "ref")
     assert_bitwise_equal(results[0][3], m_ref, "fused row max")
     assert_bitwise_equal(results[0][4], record_ref, "fused record")
@@ -810,7 +814,7 @@ def test_the_kernels_share_torchs_openmp_runtime(cpu):
 def test_random_partitions_match_reference(cpu, cuts, dtype, seed):
     x, target = llm_like_logits(4, 300, dtype, seed=seed)
     boundaries = [0, *sorted(cuts), 300]
-    fin_c = simulate_shards(x, target, boundaries, backend="cpu")
+    fin_c = simulate_shards(x, target, boundaries, backend=cpu)
     fin_r = simulate_shards(x, target, boundaries, backend="reference")
     for field in ("logprobs", "entropy", "lse", "bad"):
         assert_bitwise_equal(getattr(fin_c, field), getattr(fin_r, field), field)
@@ -827,7 +831,7 @@ def test_baseline_isa_build_matches_reference(cpu, ref):
     x, target = llm_like_logits(6, 507, torch.float16, seed=11)
     keep = torch.rand(6, 507, generator=torch.Generator().manual_seed(5)) < 0.7
     keep[torch.arange(6), target] = True
-    tau = 0.5 + torch.rand(6, generator=torch.Generator().manual_seed(6))
+    tau = Temperature.of(0.5 + torch.rand(6, generator=torch.Generator().manual_seed(6)))
     plan = ShardPlan(0, 500, -100, True)
     target = target.clamp(max=499)
     m = ref.row_max(x, tau, keep, plan)

@@ -19,7 +19,8 @@ tl = triton.language
 import exactlogp  # noqa: E402
 from exactlogp import contract, testing  # noqa: E402
 from exactlogp.backends import ShardPlan, get_backend  # noqa: E402
-from exactlogp.backends.triton import kernels, launch  # noqa: E402
+from exactlogp.backends.triton import kernels, launch, prepare  # noqa: E402
+from exactlogp.temperature import ONE, Temperature  # noqa: E402
 
 CPU = torch.device("cpu")
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # where Triton runs
@@ -37,13 +38,12 @@ def backends():
 
 @pytest.fixture(params=["never", "always"], ids=["direct", "tables"])
 def mode(request, monkeypatch):
-    """The Triton backend's value-table mode (16-bit rows; fp32 rows stay direct), with
+    """A Triton backend in one value-table mode (16-bit rows; fp32 rows stay direct), with
     groups of two rows so that the tables' row groups are exercised too."""
     from exactlogp.backends.triton import value_tables
 
-    monkeypatch.setattr(get_backend("triton", DEVICE), "value_tables", request.param)
     monkeypatch.setattr(value_tables, "GROUP_ROWS", 2)
-    return request.param
+    return launch.TritonBackend(value_tables=request.param)
 
 
 def _on(device, *tensors):
@@ -63,9 +63,10 @@ def _outputs_and_grad(logits, target, backend, device, seed=7, **kwargs):
     return [o.detach().cpu() for o in outs], x.grad.cpu()
 
 
-def _assert_same_run(logits, target, **kwargs):
+def _assert_same_run(logits, target, tri="triton", **kwargs):
+    """The Triton backend `tri` (a name or an object) against the reference."""
     ref_out, ref_grad = _outputs_and_grad(logits, target, "reference", CPU, **kwargs)
-    tri_out, tri_grad = _outputs_and_grad(logits, target, "triton", DEVICE, **kwargs)
+    tri_out, tri_grad = _outputs_and_grad(logits, target, tri, DEVICE, **kwargs)
     for name, a, b in zip(("logprobs", "lse", "entropy"), tri_out, ref_out, strict=False):
         testing.assert_bitwise_equal(a, b, name)
     testing.assert_bitwise_equal(tri_grad, ref_grad, "grad")
@@ -80,7 +81,9 @@ def _assert_same_run(logits, target, **kwargs):
 def test_api_bits_equal_reference(backends, mode, dtype, with_entropy, temperature):
     logits, target = testing.llm_like_logits(6, 700, dtype, seed=11)
     tau = {"1": 1.0, "0.7": 0.7, "per_row": torch.tensor([0.3, 0.7, 1.0, 1.3, 2.0, 0.9])}
-    _assert_same_run(logits, target, with_entropy=with_entropy, temperature=tau[temperature])
+    _assert_same_run(
+        logits, target, tri=mode, with_entropy=with_entropy, temperature=tau[temperature]
+    )
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -93,7 +96,7 @@ def test_api_keep_mask_padding_ignore_index(backends, mode, dtype):
     target[3] = min(int(target[3]), 599)
     keep[3, target[3]] = True
     kwargs = dict(vocab_size=600, keep_mask=keep, with_entropy=True, temperature=0.9)
-    _assert_same_run(logits, target, **kwargs)
+    _assert_same_run(logits, target, tri=mode, **kwargs)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -105,7 +108,7 @@ def test_api_nan_inf_rows_without_validation(backends, mode, dtype):
     logits[3, ::3] = float("-inf")
     target[3] = 1
     logits[4, target[4]] = float("nan")  # the target itself
-    _assert_same_run(logits, target, with_entropy=True, validate=False)
+    _assert_same_run(logits, target, tri=mode, with_entropy=True, validate=False)
 
 
 def test_api_huge_and_tiny_logits(backends):
@@ -122,7 +125,7 @@ def test_api_huge_and_tiny_logits(backends):
 def test_api_invalid_per_row_temperature_gives_nan_rows(backends, mode):
     logits, target = testing.llm_like_logits(4, 150, torch.bfloat16, seed=15)
     tau = torch.tensor([0.0, -1.0, float("nan"), 0.5])
-    _assert_same_run(logits, target, with_entropy=True, validate=False, temperature=tau)
+    _assert_same_run(logits, target, tri=mode, with_entropy=True, validate=False, temperature=tau)
 
 
 def test_strided_rows_are_read_in_place(backends, mode):
@@ -136,7 +139,7 @@ def test_strided_rows_are_read_in_place(backends, mode):
     keep = torch.rand(3, 5, 300, generator=gen) < 0.7
     keep[:, :-1][torch.arange(3)[:, None], torch.arange(4)[None, :], target] = True
     results = []
-    for backend, device in (("reference", CPU), ("triton", DEVICE)):
+    for backend, device in (("reference", CPU), (mode, DEVICE)):
         leaf = full.to(device).detach().requires_grad_(True)
         x, mask, t = leaf[:, :-1, :], keep.to(device)[:, :-1, :], target.to(device)
         res = exactlogp.selected_logprobs(
@@ -154,7 +157,7 @@ def test_value_tables_hold_every_16_bit_value(backends, mode):
     temperatures that overflow large values to inf, a keep mask and padding: the max,
     the record and every Finalized field of the whole forward, and the gradient of the
     rows as if a gradient flowed into them (element by element over all 65536 values)."""
-    ref, tri = backends
+    ref, tri = backends[0], mode
     every = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16)
     perm = torch.randperm(every.numel(), generator=torch.Generator().manual_seed(2))
     for dtype in (torch.bfloat16, torch.float16):
@@ -166,6 +169,7 @@ def test_value_tables_hold_every_16_bit_value(backends, mode):
         keep[torch.arange(3), target] = True
         plan = ShardPlan(0, x.shape[1] - 3, -100, True)
         for tau, mask in ((torch.tensor([1.0, 0.001, 3.5]), None), (0.25, keep)):
+            tau = Temperature.of(tau)
             a = tri.forward_unsharded(*_on(DEVICE, x, target, tau, mask), plan)
             b = ref.forward_unsharded(x, target, tau, mask, plan)
             for name, u, v in zip(("max", "record", "fin"), a, b, strict=True):
@@ -191,7 +195,7 @@ def _row_stats(logits, target, tau, keep, vocab_size, with_entropy, seed=0, igno
         keep_mask=keep, with_entropy=with_entropy, ignore_index=ignore_index,
     )  # fmt: skip
     plan = ShardPlan(0, vocab_size, ignore_index, with_entropy)
-    row_max = get_backend("reference", CPU).row_max(logits, tau, keep, plan)
+    row_max = get_backend("reference", CPU).row_max(logits, Temperature.of(tau), keep, plan)
     gen = torch.Generator().manual_seed(seed)
     g_lp, g_ent, g_lse = (
         torch.randn(len(target), generator=gen, dtype=torch.float64) for _ in "abc"
@@ -205,6 +209,7 @@ def _compare_shard(
     """Every local pass of shard [lo, hi) of the padded rows, both backends, bitwise."""
     ref = get_backend("reference", CPU)
     plan = ShardPlan(lo, vocab_size, ignore_index, with_entropy)
+    tau = Temperature.of(tau)
     x = logits[:, lo:hi]
     mask = None if keep is None else keep[:, lo:hi]
     dx, dtarget, dtau, dmask = _on(DEVICE, x, target, tau, mask)
@@ -250,7 +255,7 @@ def test_local_passes_on_uneven_padded_shards(backends, dtype):
 
 def test_rows_split_across_programs(backends, monkeypatch):
     """Several programs per row (as for few rows on a GPU) combine to the same bits."""
-    monkeypatch.setattr(launch, "_target_programs", lambda device: 64)
+    monkeypatch.setattr(prepare, "target_programs", lambda device: 64)
     logits, target = testing.llm_like_logits(3, 700, torch.bfloat16, seed=17)
     keep = torch.ones(3, 700, dtype=torch.bool)
     keep[:, 1::5] = False
@@ -265,7 +270,7 @@ def test_simulated_tp_shards_match_whole_vocab(backends, mode):
     logits, target = testing.llm_like_logits(5, 509, torch.bfloat16, seed=18)
     whole = testing.simulate_shards(logits, target, [0, 509], vocab_size=500, temperature=0.8)
     sharded = testing.simulate_shards(
-        logits, target, [0, 128, 128, 300, 509], vocab_size=500, temperature=0.8, backend="triton"
+        logits, target, [0, 128, 128, 300, 509], vocab_size=500, temperature=0.8, backend=mode
     )
     for name in ("logprobs", "entropy", "lse", "s_hi", "log_s", "bad"):
         testing.assert_bitwise_equal(getattr(sharded, name), getattr(whole, name), name)
@@ -280,11 +285,11 @@ def test_empty_batch_and_empty_shard(backends):
         row_max = torch.full((shape[0],), float("-inf"))
         dx, dtarget, drow_max = _on(DEVICE, logits, target, row_max)
         testing.assert_bitwise_equal(
-            tri.row_max(dx, 1.0, None, plan), ref.row_max(logits, 1.0, None, plan), "max"
+            tri.row_max(dx, ONE, None, plan), ref.row_max(logits, ONE, None, plan), "max"
         )
         testing.assert_bitwise_equal(
-            tri.partials(dx, dtarget, 1.0, None, drow_max, plan),
-            ref.partials(logits, target, 1.0, None, row_max, plan),
+            tri.partials(dx, dtarget, ONE, None, drow_max, plan),
+            ref.partials(logits, target, ONE, None, row_max, plan),
             "partials",
         )
 

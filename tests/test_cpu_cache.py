@@ -16,6 +16,7 @@ import torch
 
 from exactlogp import backends
 from exactlogp.backends import cpu_build
+from exactlogp.temperature import ONE
 
 
 @pytest.fixture(scope="module")
@@ -165,8 +166,8 @@ def test_a_compiler_without_openmp_builds_single_threaded_kernels_once(
     plan = ShardPlan(0, None, -100, True)
     ref = backends.get_backend("reference", torch.device("cpu"))
     got, want = (
-        serial.forward_unsharded(x, target, 1.0, None, plan),
-        ref.forward_unsharded(x, target, 1.0, None, plan),
+        serial.forward_unsharded(x, target, ONE, None, plan),
+        ref.forward_unsharded(x, target, ONE, None, plan),
     )
     assert torch.equal(got[1], want[1])  # the row record
     assert torch.equal(got[2].logprobs.view(torch.int32), want[2].logprobs.view(torch.int32))

@@ -378,7 +378,7 @@ def test_collectives_per_forward_and_none_in_backward(validate):
 def test_field_values_are_shown_as_the_user_wrote_them():
     from exactlogp import agreement
 
-    assert agreement._show("temperature", agreement.fp32_bits(0.5)) == "0.5"
+    assert agreement._show("temperature", contract.fp32_bits(0.5)) == "0.5"
     assert agreement._show("vocab_size", -1) == "None"
     assert agreement._show("kind", agreement.KIND_LINEAR) == "linear_selected_logprobs"
-    assert math.isnan(float(agreement._show("temperature", agreement.fp32_bits(math.nan))))
+    assert math.isnan(float(agreement._show("temperature", contract.fp32_bits(math.nan))))

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from exactlogp import contract, selected_logprobs
 from exactlogp.backends import ShardPlan, get_backend
+from exactlogp.temperature import Temperature
 from exactlogp.testing import assert_bitwise_equal, llm_like_logits, simulate_shards
 
 QWEN3_NEXT_VOCAB = 151936
@@ -118,16 +119,14 @@ def test_each_gradient_shard_is_the_slice_of_the_tp1_gradient(case):
     row_max = torch.full((case["rows"],), float("-inf"))
     backend = get_backend("reference", x.device)
     plans = [ShardPlan(lo, case["vocab"], -100, True) for lo in case["boundaries"][:-1]]
-    tau_t = (
-        tau.to(torch.float32) if isinstance(tau, torch.Tensor) else contract.fp32_temperature(tau)
-    )
+    tau_t = Temperature.of(tau)
     for plan, hi in zip(plans, case["boundaries"][1:], strict=True):
         m = None if mask is None else mask[:, plan.vocab_start : hi]
         row_max = torch.maximum(
             row_max, backend.row_max(x[:, plan.vocab_start : hi], tau_t, m, plan)
         )
     stats = contract.grad_stats(row_max, split, one, -0.5 * one, 0.25 * one)
-    tau_t = contract.grad_temperature(stats, tau_t)
+    tau_t = tau_t.gradient_divisor(stats)
     for plan, hi in zip(plans, case["boundaries"][1:], strict=True):
         lo = plan.vocab_start
         m = None if mask is None else mask[:, lo:hi]

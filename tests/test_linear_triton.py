@@ -6,8 +6,6 @@ is small) or as fp64 GEMMs over K-chunks (cuBLAS DGEMM on a GPU), the backend's
 exact_gemm option. Compared bit for bit with the reference backend's int64 arithmetic.
 """
 
-import contextlib
-
 import pytest
 import torch
 
@@ -16,7 +14,6 @@ pytest.importorskip("triton", reason="Triton is not installed: no Triton backend
 import exactlogp  # noqa: E402
 from exactlogp import linear_contract as lc  # noqa: E402
 from exactlogp.backends import get_backend  # noqa: E402
-from exactlogp.backends.base import backend_option  # noqa: E402
 from exactlogp.backends.triton import linear_kernels  # noqa: E402
 from exactlogp.backends.triton.launch import FP64_RICH_CAPABILITIES, TritonBackend  # noqa: E402
 from exactlogp.testing import assert_bitwise_equal, lm_head_inputs  # noqa: E402
@@ -51,9 +48,10 @@ def test_exact_gemm_option_picks_a_path_and_refuses_unknown_modes():
         TritonBackend(exact_gemm="bf16")
     impl = get_backend("triton", DEVICE)
     with pytest.raises(ValueError, match=r"exact_gemm must be one of .*, got 'fp32'"):
-        with backend_option(impl, "exact_gemm", "fp32"):
-            impl.gemm_path(DEVICE)
-    assert impl.exact_gemm == "auto"  # put back
+        impl.with_options(exact_gemm="fp32")
+    with pytest.raises(AttributeError, match="immutable"):
+        impl.exact_gemm = "fp64"
+    assert impl.exact_gemm == "auto" and impl.with_options(exact_gemm="fp64").exact_gemm == "fp64"
 
 
 def test_exact_dot_takes_the_path_its_option_names(monkeypatch):
@@ -78,15 +76,13 @@ def test_fused_head_gives_the_reference_bits_forward_and_backward(gemm):
     t[2] = -100
     bias = (0.1 * torch.randn(90, generator=torch.Generator().manual_seed(1))).bfloat16()
     results = []
-    triton = backend_option(get_backend("triton", DEVICE), "exact_gemm", gemm)
-    for backend, device, path in (("reference", "cpu", None), ("triton", DEVICE, triton)):
+    triton = TritonBackend(exact_gemm=gemm)
+    for backend, device in (("reference", "cpu"), (triton, DEVICE)):
         hh, ww, bb = (x.to(device).detach().requires_grad_(True) for x in (h, w, bias))
-        with path or contextlib.nullcontext():
-            res = exactlogp.linear_selected_logprobs(
-                hh, ww, t.to(device), bias=bb, with_entropy=True, logit_scale=0.5,
-                backend=backend,
-            )  # fmt: skip
-            (res.logprobs.sum() + 0.5 * res.entropy.sum()).backward()
+        res = exactlogp.linear_selected_logprobs(
+            hh, ww, t.to(device), bias=bb, with_entropy=True, logit_scale=0.5, backend=backend
+        )
+        (res.logprobs.sum() + 0.5 * res.entropy.sum()).backward()
         results.append([x.detach().cpu() for x in (*res, hh.grad, ww.grad, bb.grad)])
     for a, b in zip(*results, strict=True):
         assert_bitwise_equal(a, b)

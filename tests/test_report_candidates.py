@@ -298,24 +298,30 @@ def test_check_rows_are_seeded_and_disjoint():
     assert (rows, extra) == workload.check_rows(100, 10, seed=0)
 
 
-def test_value_table_scope_sets_the_backend_of_the_shards_device(monkeypatch):
-    """exactlogp[BACKEND,value_tables=MODE] switches the tables of the backend that runs on
-    the built shard's device (a GPU's Triton backend in the GPU check), not the CPU one's,
-    and puts the mode back afterwards."""
+def test_value_table_mode_runs_a_backend_object_of_the_shards_device(monkeypatch):
+    """exactlogp[BACKEND,value_tables=MODE] runs a backend object for the built shard's
+    device (a GPU's Triton backend in the GPU check) in that mode, made by with_options:
+    the shared backend is never changed."""
     from exactlogp.report.candidates import exactlogp as module
 
-    seen = []
-    impl = types.SimpleNamespace(value_tables="auto")
+    seen, used = [], []
 
-    def fake_get_backend(name, device):
-        seen.append((name, device))
-        return impl
+    class SharedBackend:
+        value_tables = "auto"
 
+        def with_options(self, **changes):
+            seen.append(changes)
+            return derived
+
+    shared, derived = SharedBackend(), object()
+    monkeypatch.setattr(module, "get_backend", lambda name, dev: seen.append((name, dev)) or shared)
+    monkeypatch.setattr(
+        module, "selected_logprobs",
+        lambda *a, **kw: used.append(kw["backend"]) or types.SimpleNamespace(logprobs=None),
+    )  # fmt: skip
     cand = candidates.create("exactlogp[triton,value_tables=always]")
     device = torch.device("cuda", 1)  # only named, never used: the backend is a stand-in
-    cand.build(ShardContext(0, 1, None, device, 256, 256, 0))
-    monkeypatch.setattr(module, "get_backend", fake_get_backend)
-    with cand.scope():
-        assert impl.value_tables == "always"
-    assert impl.value_tables == "auto"
-    assert seen == [("triton", device)]
+    run = cand.build(ShardContext(0, 1, None, device, 256, 256, 0))
+    run(None, None)
+    assert seen == [("triton", device), {"value_tables": "always"}]
+    assert used == [derived] and shared.value_tables == "auto"

@@ -6,7 +6,8 @@ import io
 import pytest
 import torch
 
-from exactlogp.report import candidates, display, measure, worlds
+from exactlogp import worlds
+from exactlogp.report import candidates, display, measure
 from exactlogp.testing import run_gloo_world
 
 

@@ -17,7 +17,7 @@ triton = pytest.importorskip("triton", reason="Triton is not installed: no Trito
 import exactlogp  # noqa: E402
 from exactlogp import autograd, contract, testing  # noqa: E402
 from exactlogp.backends import get_backend  # noqa: E402
-from exactlogp.backends.triton import kernels, launch  # noqa: E402
+from exactlogp.backends.triton import kernels, launch, prepare  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # where Triton runs
 NAN32 = 0x7FC00000  # the fp32 NaN contract.finalize writes on the CPU
@@ -189,7 +189,7 @@ def test_forward_is_three_launches_without_sync(triton_backend, monkeypatch, tem
     contract.exp2_table(DEVICE)  # made once per device, not per forward: made before the log
     interpreted = launch.interpreted()
     monkeypatch.setattr(launch, "interpreted", lambda: interpreted)
-    monkeypatch.setattr(launch, "_target_programs", lambda device: 1)  # no split rows
+    monkeypatch.setattr(prepare, "target_programs", lambda device: 1)  # no split rows
     for name in ("row_max_kernel", "partials_kernel", "finalize_kernel"):
         monkeypatch.setattr(kernels, name, _KernelStub(name, launches))
     pipeline_ops, finalize_ops = _OpLog(), _OpLog()

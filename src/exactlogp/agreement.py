@@ -70,15 +70,11 @@ class CallFields:
 
 
 FIELD_NAMES = tuple(f.name for f in fields(CallFields))
-_DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3, torch.float64: 4}
+WIRE_DTYPE_CODES = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 3, torch.float64: 4}
 
 
 def dtype_code(dtype: torch.dtype) -> int:
-    return _DTYPE_CODES.get(dtype, 99)
-
-
-def fp32_bits(value: float) -> int:
-    return struct.unpack("<i", struct.pack("<f", value))[0]
+    return WIRE_DTYPE_CODES.get(dtype, 99)
 
 
 @functools.cache
@@ -101,7 +97,7 @@ def _show(name: str, value: int) -> str:
             name, ("False", "True")
         )[value]
     if name == "hidden_dtype":
-        return next((str(d) for d, c in _DTYPE_CODES.items() if c == value), str(value))
+        return next((str(d) for d, c in WIRE_DTYPE_CODES.items() if c == value), str(value))
     if name == "contract":
         return f"key {value:012x} (exactlogp.CONTRACT differs: another exactlogp version)"
     return str(value)
@@ -138,13 +134,13 @@ class Layout:
 # --- 1. the agreement all_gather (validate=True) ---
 
 
-def checked(group: distributed.Group, validate, device: torch.device, prepare):
-    """prepare() -- this rank's argument checks, returning the call -- made collective:
-    with a TP group and validate=True every rank takes part in `agree` whatever its own
-    checks found, so an error on one rank raises on all of them. Without a group (or with
-    validate=False) a failed check raises here only."""
+def checked(group: distributed.Group, validate, device: torch.device, build, /, **arguments):
+    """build(**arguments) -- this rank's argument checks, returning the call object -- made
+    collective: with a TP group and validate=True every rank takes part in `agree` whatever
+    its own checks found, so an error on one rank raises on all of them. Without a group
+    (or with validate=False) a failed check raises here only."""
     try:
-        call, error = prepare(), None
+        call, error = build(**arguments), None
     except (TypeError, ValueError, RuntimeError) as exc:
         call, error = None, exc
     if group.distributed and validate is not False:
@@ -313,13 +309,9 @@ ROW_FIELD_NAMES = ("target", "temperature", "temperature", "hidden states")
 
 
 def _row_values(target: torch.Tensor, temperature) -> torch.Tensor:
-    """(3, N) fp32, each value an integer exact in fp32."""
-    n, dev = target.shape[0], target.device
+    """(3, N) fp32, each value an integer exact in fp32 (`temperature`: a Temperature)."""
     t = target.clamp(-(1 << 24), 1 << 24).to(torch.float32)
-    if isinstance(temperature, torch.Tensor):
-        bits = temperature.to(torch.float32).contiguous().view(torch.int32)
-    else:
-        bits = torch.full((n,), fp32_bits(temperature), dtype=torch.int32, device=dev)
+    bits = temperature.row_bits(target.shape[0], target.device)
     return torch.stack([t, (bits >> 16).to(torch.float32), (bits & 0xFFFF).to(torch.float32)])
 
 
@@ -347,7 +339,7 @@ def _call_values(key: int, group: distributed.Group, layout: Layout, device) -> 
 def max_payload(
     row_max: torch.Tensor,  # (N,) fp32 local maxima
     target: torch.Tensor,  # (N,) int64
-    temperature,  # float or (N,) fp32
+    temperature,  # Temperature of these rows
     key: int,
     group: distributed.Group,
     layout: Layout,

@@ -7,15 +7,14 @@ algorithm, batch composition, repeat and backend (exactlogp.CONTRACT).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
-from . import agreement, autograd, contract, distributed, validation
-from .autograd import Options
-from .backends import ShardPlan, get_backend
+from . import agreement, autograd, distributed, validation
+from .backends import Backend
 from .backends.base import row_view
+from .call import Call, device_of, make_call
 
 
 class LogprobResult(NamedTuple):
@@ -37,7 +36,7 @@ def selected_logprobs(
     ignore_index: int = -100,
     with_entropy: bool = False,
     validate: bool = True,
-    backend: str = "auto",
+    backend: str | Backend = "auto",
 ) -> LogprobResult:
     """log softmax(y)[target], entropy and logsumexp of y = fp32(logits) / temperature.
 
@@ -61,7 +60,10 @@ def selected_logprobs(
             make every rank raise when the ranks' arguments disagree (one small all_gather
             and host syncs). False: a bad row gives NaN in that row only, a disagreement
             between ranks NaN in every output, and nothing is synced with the host.
-        backend: "auto", or a name from `exactlogp.backends.backend_names()`.
+        backend: "auto", a name from `exactlogp.backends.backend_names()`, or a backend
+            object with its options, e.g. `exactlogp.backends.CpuBackend(num_threads=4)`
+            or `TritonBackend(value_tables="always")` (backends are immutable: one object
+            may serve many threads).
 
     Every rank of `tp_group` must call with the same rows, targets, temperatures and
     options (docs/failure_modes.md lists what is checked and what the user sees).
@@ -69,102 +71,42 @@ def selected_logprobs(
     bits, inside compiled code.
     """
     group = distributed.resolve(tp_group)
-
-    def prepare() -> Call:
-        validation.check_logits(vocab_parallel_logits)
-        validation.check_keep_mask(keep_mask, vocab_parallel_logits)
-        return prepare_call(
-            vocab_parallel_logits, vocab_parallel_logits.shape[-1], target, group, vocab_start,
-            vocab_size, temperature, keep_mask is not None, ignore_index, with_entropy,
-            validate, backend,
-        )  # fmt: skip
-
     with distributed.serialized(group):
-        device = device_of(vocab_parallel_logits, group)
-        call = agreement.checked(group, validate, device, prepare)
+        call = agreement.checked(
+            group, validate, device_of(vocab_parallel_logits, group), _logits_call,
+            logits=vocab_parallel_logits, target=target, keep_mask=keep_mask, group=group,
+            vocab_start=vocab_start, vocab_size=vocab_size, temperature=temperature,
+            ignore_index=ignore_index, with_entropy=with_entropy, validate=validate,
+            backend=backend,
+        )  # fmt: skip
         # rows without a copy, also of strided views such as logits[:, :-1, :]
         rows = row_view(vocab_parallel_logits)
-        logprobs, entropy, lse = autograd.selected_logprobs_rows(
+        outputs = autograd.selected_logprobs_rows(
             rows,
             target.reshape(-1).to(torch.int64),
-            call.temperature if isinstance(call.temperature, torch.Tensor) else None,
             None if keep_mask is None else keep_mask.reshape(rows.shape),
-            call.temperature if not isinstance(call.temperature, torch.Tensor) else 1.0,
-            call.options,
+            call,
         )
-    shape = call.options.target_shape
+    return shaped_result(call, *outputs)
+
+
+def _logits_call(*, logits, keep_mask, **options) -> Call:
+    """selected_logprobs' call: the logits and the keep mask, then the shared checks."""
+    validation.check_logits(logits)
+    validation.check_keep_mask(keep_mask, logits)
+    return make_call(
+        source=logits, num_cols=logits.shape[-1], has_keep_mask=keep_mask is not None, **options
+    )
+
+
+def shaped_result(call: Call, logprobs, entropy, lse) -> LogprobResult:
+    """The (N,) outputs in the caller's target shape; entropy None unless asked for."""
+    shape = call.target_shape
     return LogprobResult(
         logprobs.view(shape),
-        entropy.view(shape) if with_entropy else None,
+        entropy.view(shape) if call.with_entropy else None,
         lse.view(shape),
     )
-
-
-@dataclass(frozen=True)
-class Call:
-    """A call whose arguments passed this rank's checks."""
-
-    options: Options
-    fields: agreement.CallFields
-    layout: agreement.Layout
-    temperature: float | torch.Tensor  # fp32-rounded float, or (N,) fp32
-    num_rows: int
-    num_cols: int
-
-
-def device_of(source, group: distributed.Group) -> torch.device:
-    """Where the agreement's tensor goes: the input's device, else the group's."""
-    if isinstance(source, torch.Tensor):
-        return source.device
-    return distributed.collective_device(group)
-
-
-def prepare_call(
-    source, num_cols, target, group: distributed.Group, vocab_start, vocab_size, temperature,
-    has_keep_mask: bool, ignore_index, with_entropy, validate, backend,
-    kind: int = agreement.KIND_LOGITS, extra_fields: dict | None = None,
-    source_name: str = "vocab_parallel_logits",
-) -> Call:  # fmt: skip
-    """This rank's checks of the options every call shares, in the order a user fixes
-    them. `source` is the logits (or the hidden states) whose shape without its last
-    dimension is the rows'; `num_cols` this rank's vocabulary columns."""
-    validation.check_target(target, source, source_name)
-    tau = validation.check_temperature(temperature, target)
-    with_entropy = validation.check_bool("with_entropy", with_entropy)
-    validate = validation.check_bool("validate", validate)
-    ignore_index = validation.check_int("ignore_index", ignore_index)
-    vocab_start = validation.check_int("vocab_start", vocab_start, 0, validation.MAX_COLUMN)
-    vocab_size = validation.check_int("vocab_size", vocab_size, 1, contract.MAX_VOCAB)
-    if not isinstance(backend, str):
-        raise TypeError(f"backend must be a str, got {type(backend).__name__}")
-    start, given = validation.check_shard(num_cols, vocab_start, vocab_size, group.rank, group.size)
-    impl = get_backend(backend, source.device)
-
-    shape = tuple(target.shape)
-    extra = {"contract": agreement.contract_key(contract.CONTRACT), **(extra_fields or {})}
-    fields = agreement.CallFields(
-        kind=kind,
-        rows=target.numel(),
-        vocab_size=-1 if vocab_size is None else vocab_size,
-        with_entropy=int(with_entropy),
-        ignore_index=ignore_index,
-        keep_mask=int(has_keep_mask),
-        temperature=-1 if isinstance(tau, torch.Tensor) else agreement.fp32_bits(tau),
-        validate=int(validate),
-        **extra,
-    )
-    layout = agreement.Layout(start, num_cols, given)
-    options = Options(
-        plan=ShardPlan(start, vocab_size, ignore_index, with_entropy),
-        group=group,
-        layout=layout,
-        call_key=fields.key() if group.distributed else 0,  # rides the MAX only with a group
-        validate=validate,
-        backend=impl,
-        target_shape=shape,
-        num_cols=num_cols,
-    )
-    return Call(options, fields, layout, tau, target.numel(), num_cols)
 
 
 class SelectedLogprobs(torch.nn.Module):

@@ -10,26 +10,13 @@ backward: backend.grad(logits, stats) -- elementwise, no collective
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
 from . import agreement, contract, distributed, validation
-from .backends import Backend, ShardPlan
-from .backends.base import bad_temperature
-
-
-@dataclass(frozen=True)
-class Options:
-    plan: ShardPlan
-    group: distributed.Group
-    layout: agreement.Layout
-    call_key: int  # agreement.CallFields.key() of this call
-    validate: bool
-    backend: Backend
-    target_shape: tuple[int, ...]
-    num_cols: int
+from .call import Call
+from .temperature import Temperature
 
 
 class Forward(NamedTuple):
@@ -42,12 +29,12 @@ class Forward(NamedTuple):
 def forward_pipeline(
     logits: torch.Tensor,  # (N, V_local), or (B, T, V_local) rows (backends.base.row_view)
     target: torch.Tensor,  # (N,) int64
-    temperature: float | torch.Tensor,  # float or (N,) fp32
+    temperature: Temperature,  # of these rows: call.temperature, or a block's (take)
     keep_mask: torch.Tensor | None,  # (N, V_local) bool
-    opts: Options,
+    call: Call,
     row_fields: torch.Tensor | None = None,  # (k, N) more per-row values the ranks share
 ) -> Forward:
-    plan, backend, group = opts.plan, opts.backend, opts.group
+    plan, backend, group = call.plan, call.backend, call.group
     n = target.shape[0]
     ranks = None
     if not group.distributed:  # the whole vocabulary is here: nothing crosses ranks
@@ -58,7 +45,7 @@ def forward_pipeline(
         # --- 1-2. exact global max; the agreement fields ride along ---
         row_max = backend.row_max(logits, temperature, keep_mask, plan)
         payload = agreement.max_payload(
-            row_max, target, temperature, opts.call_key, group, opts.layout, row_fields
+            row_max, target, temperature, call.call_key, group, call.layout, row_fields
         )
         distributed.all_reduce_max_(payload, group)
         row_max, ranks = agreement.read_max(payload, n, group, plan.vocab_size, row_fields)
@@ -70,20 +57,15 @@ def forward_pipeline(
         # --- 7. finish ---
         fin = backend.finalize(
             row_max, record, target, plan.vocab_size, plan.ignore_index,
-            bad_temperature(temperature), ranks.poison,
+            temperature.bad(), ranks.poison,
         )  # fmt: skip
     return Forward(row_max, fin, record, ranks)
 
 
-def validate_rows(forward: Forward, target, temperature, opts: Options) -> None:
+def validate_rows(forward: Forward, target, call: Call) -> None:
     """validate=True: raise on every rank for the first bad row (one host sync, in
     validation.raise_for_bad_rows)."""
-    plan = opts.plan
-    ctx = validation.RowContext(
-        opts.target_shape, temperature, plan.vocab_size, plan.ignore_index,
-        opts.group.size, opts.num_cols, forward.ranks,
-    )  # fmt: skip
-    validation.raise_for_bad_rows(forward.fin.bad, forward.record, target, ctx)
+    validation.raise_for_bad_rows(forward.fin.bad, forward.record, target, call, forward.ranks)
 
 
 _ROW_STATS = ("s_hi", "s_lo", "log_s", "entropy64", "bad", "ignored")  # contract.RowStats
@@ -92,29 +74,26 @@ _ROW_STATS = ("s_hi", "s_lo", "log_s", "entropy64", "bad", "ignored")  # contrac
 def save_forward(ctx, inputs: tuple, forward: Forward) -> tuple:
     """The end of an autograd.Function's forward over forward_pipeline: save `inputs`, the
     row max and the row statistics for saved_grad_stats; return (logprobs, entropy, lse),
-    the entropy empty and non-differentiable without with_entropy. Needs ctx.opts."""
+    the entropy empty and non-differentiable without with_entropy. Needs ctx.call."""
     fin = forward.fin
     ctx.save_for_backward(*inputs, forward.row_max, *(getattr(fin, f) for f in _ROW_STATS))
-    if ctx.opts.plan.with_entropy:
+    if ctx.call.with_entropy:
         return fin.logprobs, fin.entropy, fin.lse
     entropy = fin.entropy.new_empty(0)
     ctx.mark_non_differentiable(entropy)
     return fin.logprobs, entropy, fin.lse
 
 
-def saved_grad_stats(ctx, grads: tuple, tau_index: int):
+def saved_grad_stats(ctx, grads: tuple):
     """In backward, after save_forward: (the saved inputs, contract.GradStats of the upstream
-    `grads` (logprobs, entropy, lse), the temperature the gradient divides by), the
-    temperature tensor being inputs[tau_index] (None: ctx.scalar_temperature)."""
+    `grads` (logprobs, entropy, lse), the Temperature the gradient divides by)."""
     saved = ctx.saved_tensors
     *inputs, row_max = saved[: -len(_ROW_STATS)]
     rows = contract.RowStats(*saved[-len(_ROW_STATS) :])
     g_logprobs, g_entropy, g_lse = grads
-    g_entropy = g_entropy if ctx.opts.plan.with_entropy else None
+    g_entropy = g_entropy if ctx.call.with_entropy else None
     stats = contract.grad_stats(row_max, rows, g_logprobs, g_entropy, g_lse)
-    tau = inputs[tau_index]
-    tau = contract.grad_temperature(stats, ctx.scalar_temperature if tau is None else tau)
-    return inputs, stats, tau
+    return inputs, stats, ctx.call.temperature.gradient_divisor(stats)
 
 
 def once_differentiable(backward):
@@ -145,44 +124,36 @@ def once_differentiable(backward):
     return wrapper
 
 
-def checked_forward(logits, target, temperature_tensor, keep_mask, scalar_temperature, opts):
+def checked_forward(logits, target, keep_mask, call: Call) -> Forward:
     """forward_pipeline on the whole call, then (validate=True) the bad-row check."""
-    temperature = scalar_temperature if temperature_tensor is None else temperature_tensor
-    forward = forward_pipeline(logits, target, temperature, keep_mask, opts)
-    if opts.validate:
-        validate_rows(forward, target, temperature, opts)
+    forward = forward_pipeline(logits, target, call.temperature, keep_mask, call)
+    if call.validate:
+        validate_rows(forward, target, call)
     return forward
 
 
-def selected_logprobs_rows(logits, target, temperature_tensor, keep_mask, scalar_temperature, opts):
+def selected_logprobs_rows(logits, target, keep_mask, call: Call):
     """SelectedLogprobsFunction.apply; where no gradient can flow (grad mode off, or logits
     that do not require grad) its forward alone: the same outputs, without the autograd
     bookkeeping that a small call would notice."""
     if torch.is_grad_enabled() and logits.requires_grad:
-        return SelectedLogprobsFunction.apply(
-            logits, target, temperature_tensor, keep_mask, scalar_temperature, opts
-        )
-    fin = checked_forward(
-        logits, target, temperature_tensor, keep_mask, scalar_temperature, opts
-    ).fin
+        return SelectedLogprobsFunction.apply(logits, target, keep_mask, call)
+    fin = checked_forward(logits, target, keep_mask, call).fin
     return fin.logprobs, fin.entropy, fin.lse
 
 
 class SelectedLogprobsFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, target, temperature_tensor, keep_mask, scalar_temperature, opts):
-        forward = checked_forward(
-            logits, target, temperature_tensor, keep_mask, scalar_temperature, opts
-        )
-        ctx.opts = opts
-        ctx.scalar_temperature = scalar_temperature
-        return save_forward(ctx, (logits, target, temperature_tensor, keep_mask), forward)
+    def forward(ctx, logits, target, keep_mask, call: Call):
+        forward = checked_forward(logits, target, keep_mask, call)
+        ctx.call = call
+        return save_forward(ctx, (logits, target, keep_mask), forward)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, g_logprobs, g_entropy, g_lse):
-        inputs, stats, temperature = saved_grad_stats(ctx, (g_logprobs, g_entropy, g_lse), 2)
-        logits, target, _, keep_mask = inputs
-        opts = ctx.opts
-        grad = opts.backend.grad(logits, target, temperature, keep_mask, stats, opts.plan)
-        return grad.view(logits.shape), None, None, None, None, None
+        inputs, stats, temperature = saved_grad_stats(ctx, (g_logprobs, g_entropy, g_lse))
+        logits, target, keep_mask = inputs
+        call = ctx.call
+        grad = call.backend.grad(logits, target, temperature, keep_mask, stats, call.plan)
+        return grad.view(logits.shape), None, None, None

@@ -101,6 +101,11 @@ def fp32_temperature(tau: float) -> float:
         return math.copysign(math.inf, tau)
 
 
+def fp32_bits(value: float) -> int:
+    """The bit pattern of an fp32 value (a float already rounded to fp32) as a signed int32."""
+    return struct.unpack("<i", struct.pack("<f", value))[0]
+
+
 def scaled_logits(x: torch.Tensor, temperature: float | torch.Tensor) -> torch.Tensor:
     """y = fp32(x) / tau with IEEE fp32 division; tau is a float or an fp32 (n, 1) tensor."""
     y = x.to(torch.float32)

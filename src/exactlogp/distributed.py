@@ -4,6 +4,8 @@ Per forward: one all_reduce(MAX) of fp32 and one all_reduce(SUM) of int64, neith
 can change a bit with the algorithm, protocol, channel count or rank order (max is exact,
 integer addition is associative; no float is ever summed here). With validate=True a
 small fixed-size all_gather of int64 agreement fields comes first (exactlogp.agreement).
+The exact LM head's backward adds an int64 MAX and an int64 SUM, and its sequence-parallel
+helper an all_gather of rows (linear.py).
 """
 
 from __future__ import annotations
@@ -101,17 +103,23 @@ def collective_device(group: Group) -> torch.device:
 # --- the collectives ---
 
 
-def all_gather_int64(fields: torch.Tensor, group: Group) -> torch.Tensor:
-    """(size, K) int64: every rank's (K,) `fields`, in rank order (moves bytes only)."""
+def all_gather(t: torch.Tensor, group: Group) -> list[torch.Tensor]:
+    """Every rank's `t` (all of one shape), in rank order: moves bytes only."""
     import torch.distributed as dist
 
-    parts = [torch.empty_like(fields) for _ in range(group.size)]
-    dist.all_gather(parts, fields.contiguous(), group=group.handle)
-    return torch.stack(parts)
+    parts = [torch.empty_like(t) for _ in range(group.size)]
+    dist.all_gather(parts, t.contiguous(), group=group.handle)
+    return parts
+
+
+def all_gather_int64(fields: torch.Tensor, group: Group) -> torch.Tensor:
+    """(size, K) int64: every rank's (K,) `fields`, in rank order."""
+    return torch.stack(all_gather(fields, group))
 
 
 def all_reduce_max_(values: torch.Tensor, group: Group) -> torch.Tensor:
-    """In place: the exact elementwise maximum over ranks of an fp32 tensor."""
+    """In place: the exact elementwise maximum over ranks (fp32 or int64: a max is exact
+    in any order)."""
     if group.distributed:
         import torch.distributed as dist
 

@@ -23,24 +23,23 @@ Backward (blocks of weight rows outer, all rows inner), nothing of size [N, V] k
 
 from __future__ import annotations
 
-import math
-import numbers
-from dataclasses import dataclass
+from dataclasses import replace
 
 import torch
 
-from . import agreement, contract, distributed
+from . import agreement, contract, distributed, validation
 from . import linear_contract as lc
-from .api import Call, LogprobResult, device_of, prepare_call
+from .api import LogprobResult, shaped_result
 from .autograd import (
     Forward,
-    Options,
     forward_pipeline,
     once_differentiable,
     save_forward,
     saved_grad_stats,
     validate_rows,
 )
+from .backends import Backend, get_backend
+from .call import Call, LinearOptions, device_of, make_call
 
 ROW_BLOCK = 256  # rows per forward block: fixed, so every rank issues the same collectives
 LOGITS_BUDGET = 128 << 20  # bytes of fp32 logits computed per pass over the weight (at
@@ -48,69 +47,13 @@ LOGITS_BUDGET = 128 << 20  # bytes of fp32 logits computed per pass over the wei
 WEIGHT_BLOCK_ELEMENTS = 1 << 21  # quantized weight rows per GEMM: at most 16 MiB of fp64
 GRAD_BLOCK_ELEMENTS = 1 << 21  # backward temporaries per block of weight rows, per row
 
-_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
-
-@dataclass(frozen=True)
-class LinearOptions:
-    logit_scale: float  # rounded to fp32
-    has_bias: bool
-
-
-# --- argument checks ---
-
-
-def _check_linear(hidden, weight, bias, logit_scale) -> float:
-    """The hidden states, the weight shard and the bias; returns logit_scale in fp32."""
-    for name, t in (("hidden", hidden), ("weight", weight)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dtype not in _DTYPES:
-            raise TypeError(f"{name} must be bfloat16, float16 or float32, got {t.dtype}")
-    if hidden.dim() < 1:
-        raise ValueError("hidden must have a hidden dimension (..., H), got a 0-d tensor")
-    if weight.dim() != 2:
-        raise ValueError(f"weight must be (V_local, H), got shape {tuple(weight.shape)}")
-    if weight.dtype != hidden.dtype:
-        raise TypeError(f"weight dtype {weight.dtype} must equal hidden dtype {hidden.dtype}")
-    h = hidden.shape[-1]
-    if weight.shape[1] != h:
-        raise ValueError(
-            f"weight shape {tuple(weight.shape)} must be (V_local, H) with H = {h}, the last "
-            "dimension of hidden"
-        )
-    if h > lc.MAX_HIDDEN:
-        raise ValueError(f"the hidden size {h} is larger than {lc.MAX_HIDDEN} (int64 sums)")
-    if weight.device != hidden.device:
-        raise ValueError(f"weight is on {weight.device} but must be on {hidden.device}")
-    if bias is not None:
-        if not isinstance(bias, torch.Tensor) or bias.dtype not in _DTYPES:
-            kind = bias.dtype if isinstance(bias, torch.Tensor) else type(bias).__name__
-            raise TypeError(f"bias must be None or a bf16/fp16/fp32 tensor, got {kind}")
-        if tuple(bias.shape) != (weight.shape[0],):
-            raise ValueError(
-                f"bias shape {tuple(bias.shape)} must be (V_local,) = ({weight.shape[0]},)"
-            )
-        if bias.device != hidden.device:
-            raise ValueError(f"bias is on {bias.device} but must be on {hidden.device}")
-    if isinstance(logit_scale, bool) or not isinstance(logit_scale, numbers.Real):
-        raise TypeError(f"logit_scale must be a float, got {type(logit_scale).__name__}")
-    scale = contract.fp32_temperature(logit_scale)  # the same rounding to fp32
-    if not (math.isfinite(scale) and scale > 0.0):
-        raise ValueError(
-            f"logit_scale must be finite and > 0 in float32, got {logit_scale!r} (float32: "
-            f"{scale!r}); a model with a softcap (Gemma's final_logit_softcapping) is not "
-            "covered by the logits contract"
-        )
-    return scale
-
 
 def _linear_fields(hidden, bias, scale: float) -> dict:
     return dict(
         contract=agreement.contract_key(contract.CONTRACT, lc.LOGITS_CONTRACT),
         hidden=hidden.shape[-1],
         hidden_dtype=agreement.dtype_code(hidden.dtype),
-        logit_scale=agreement.fp32_bits(scale),
+        logit_scale=contract.fp32_bits(scale),
         bias=int(bias is not None),
     )
 
@@ -197,63 +140,55 @@ class LinearLogitsFunction(torch.autograd.Function):
 
 class LinearSelectedLogprobsFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, target, temperature_tensor, scalar_temperature,
-                opts: Options, lin: LinearOptions):  # fmt: skip
-        temperature = scalar_temperature if temperature_tensor is None else temperature_tensor
-        w = _Weight(weight, bias, lin.logit_scale, opts.backend)
+    def forward(ctx, hidden, weight, bias, target, call: Call):
+        w = _Weight(weight, bias, call.linear.logit_scale, call.backend)
         n = hidden.shape[0]
-        fingerprint = hidden_fingerprint(hidden) if opts.group.distributed else None
+        fingerprint = hidden_fingerprint(hidden) if call.group.distributed else None
         per_pass = max(1, LOGITS_BUDGET // (4 * max(weight.shape[0], 1) * ROW_BLOCK)) * ROW_BLOCK
         parts = []
         for p0 in range(0, n, per_pass):  # one pass over the weight for up to per_pass rows
             logits = _logits(hidden[p0 : p0 + per_pass], w)
             for r0 in range(p0, min(n, p0 + per_pass), ROW_BLOCK):  # the same on every rank
                 rows = slice(r0, min(n, r0 + ROW_BLOCK))
-                tau = temperature[rows] if isinstance(temperature, torch.Tensor) else temperature
+                tau = call.temperature.take(rows)
                 fields = None if fingerprint is None else fingerprint[:, rows]
                 block = logits[r0 - p0 : rows.stop - p0]
-                parts.append(forward_pipeline(block, target[rows], tau, None, opts, fields))
+                parts.append(forward_pipeline(block, target[rows], tau, None, call, fields))
             del logits, block  # before the next pass allocates its own
         forward = _combine(parts, n, hidden.device)
-        if opts.validate:
-            validate_rows(forward, target, temperature, opts)
-        ctx.opts, ctx.lin, ctx.scalar_temperature = opts, lin, scalar_temperature
-        return save_forward(ctx, (hidden, weight, bias, target, temperature_tensor), forward)
+        if call.validate:
+            validate_rows(forward, target, call)
+        ctx.call = call
+        return save_forward(ctx, (hidden, weight, bias, target), forward)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, g_logprobs, g_entropy, g_lse):
-        inputs, stats, tau = saved_grad_stats(ctx, (g_logprobs, g_entropy, g_lse), 4)
-        hidden, weight, bias, target, _ = inputs
-        opts, lin = ctx.opts, ctx.lin
-        w = _Weight(weight, bias, lin.logit_scale, opts.backend)
+        inputs, stats, tau = saved_grad_stats(ctx, (g_logprobs, g_entropy, g_lse))
+        hidden, weight, bias, target = inputs
+        call = ctx.call
+        scale = call.linear.logit_scale
+        w = _Weight(weight, bias, scale, call.backend)
         a, row_scale = _hidden(hidden)
         grads = _Grads(hidden, w, ~stats.silent, ctx.needs_input_grad)
         block = _grad_block(hidden.shape[0])
 
         def dlogits(rows: slice, c) -> torch.Tensor:  # (N, P) fp64: dL/dz * logit_scale
             z = w.logits(a, row_scale, rows, c)
-            plan = _shifted(opts.plan, rows.start)
-            g = opts.backend.grad(z, target, tau, None, stats, plan).to(torch.float64)
-            return g if lin.logit_scale == 1.0 else g.mul_(lin.logit_scale)  # exact
+            plan = replace(call.plan, vocab_start=call.plan.vocab_start + rows.start)
+            g = call.backend.grad(z, target, tau, None, stats, plan).to(torch.float64)
+            return g if scale == 1.0 else g.mul_(scale)  # exact
 
         for rows, c in w.blocks(block):  # pass 1
             g = dlogits(rows, c)
             grads.weight_block(rows, g)
             grads.track(rows, g)
         if not grads.needs_hidden:
-            return None, grads.dw, grads.db, None, None, None, None, None
-        big = grads.grid(opts.group)
+            return None, grads.dw, grads.db, None, None
+        big = grads.grid(call.group)
         for rows, c in w.blocks(block):  # pass 2
             grads.hidden_block(rows, c, dlogits(rows, c), big)
-        return grads.hidden(big, opts.group), grads.dw, grads.db, None, None, None, None, None
-
-
-def _shifted(plan, offset: int):
-    from .backends import ShardPlan
-
-    return ShardPlan(plan.vocab_start + offset, plan.vocab_size, plan.ignore_index,
-                     plan.with_entropy)  # fmt: skip
+        return grads.hidden(big, call.group), grads.dw, grads.db, None, None
 
 
 def _grad_block(num_rows: int) -> int:
@@ -309,10 +244,8 @@ class _Grads:
         _, e = torch.frexp(top)
         none = -(1 << 40)
         packed = torch.stack([torch.where(top > 0, e.to(torch.int64), none), bad.to(torch.int64)])
-        if group is not None and group.distributed:
-            import torch.distributed as dist
-
-            dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=group.handle)
+        if group is not None:
+            distributed.all_reduce_max_(packed, group)
         self.row_bad = packed[1] != 0
         return torch.where(packed[0] == none, 0, packed[0])
 
@@ -378,7 +311,7 @@ def linear_logits(
     bias: torch.Tensor | None = None,
     *,
     logit_scale: float = 1.0,
-    backend: str = "auto",
+    backend: str | Backend = "auto",
 ) -> torch.Tensor:
     """The logits of contract exactlogp-linear-v1: (..., V_local) fp32, exact dot products
     of hidden (..., H) and weight (V_local, H) rounded once, + bias, * logit_scale.
@@ -387,11 +320,7 @@ def linear_logits(
     hidden, weight and bias (exact integer sums, rounded once; the hidden gradient is this
     shard's part -- linear_selected_logprobs sums it over the TP group itself).
     """
-    from .backends import get_backend
-
-    scale = _check_linear(hidden, weight, bias, logit_scale)
-    if not isinstance(backend, str):
-        raise TypeError(f"backend must be a str, got {type(backend).__name__}")
+    scale = validation.check_linear(hidden, weight, bias, logit_scale)
     impl = get_backend(backend, hidden.device)
     h = hidden.reshape(-1, hidden.shape[-1])
     out = LinearLogitsFunction.apply(h, weight, bias, scale, impl)
@@ -413,7 +342,7 @@ def linear_selected_logprobs(
     ignore_index: int = -100,
     with_entropy: bool = False,
     validate: bool = True,
-    backend: str = "auto",
+    backend: str | Backend = "auto",
 ) -> LogprobResult:
     """selected_logprobs of the exact logits linear_logits(hidden, weight, bias, logit_scale)
     -- bitwise the same outputs -- computed in blocks of rows, without [N, V] logits.
@@ -434,43 +363,37 @@ def linear_selected_logprobs(
     (ignored, or zero upstream) take part in nothing.
     """
     group = distributed.resolve(tp_group)
-    box = {}
-
-    def prepare() -> Call:
-        scale = _check_linear(hidden, weight, bias, logit_scale)
-        box["lin"] = LinearOptions(scale, bias is not None)
-        return prepare_call(
-            hidden, weight.shape[0], target, group, vocab_start, vocab_size, temperature,
-            False, ignore_index, with_entropy, validate, backend,
-            kind=agreement.KIND_LINEAR, extra_fields=_linear_fields(hidden, bias, scale),
-            source_name="hidden",
-        )  # fmt: skip
-
     with distributed.serialized(group):
-        call = agreement.checked(group, validate, device_of(hidden, group), prepare)
-        h = hidden.reshape(-1, hidden.shape[-1])
-        tau = call.temperature
-        logprobs, entropy, lse = LinearSelectedLogprobsFunction.apply(
-            h, weight, bias, target.reshape(-1).to(torch.int64),
-            tau if isinstance(tau, torch.Tensor) else None,
-            tau if not isinstance(tau, torch.Tensor) else 1.0,
-            call.options, box["lin"],
+        call = agreement.checked(
+            group, validate, device_of(hidden, group), _linear_call,
+            hidden=hidden, weight=weight, bias=bias, logit_scale=logit_scale, target=target,
+            group=group, vocab_start=vocab_start, vocab_size=vocab_size,
+            temperature=temperature, ignore_index=ignore_index, with_entropy=with_entropy,
+            validate=validate, backend=backend,
         )  # fmt: skip
-    shape = call.options.target_shape
-    return LogprobResult(
-        logprobs.view(shape),
-        entropy.view(shape) if with_entropy else None,
-        lse.view(shape),
-    )
+        outputs = LinearSelectedLogprobsFunction.apply(
+            hidden.reshape(-1, hidden.shape[-1]), weight, bias,
+            target.reshape(-1).to(torch.int64), call,
+        )  # fmt: skip
+    return shaped_result(call, *outputs)
+
+
+def _linear_call(*, hidden, weight, bias, logit_scale, **options) -> Call:
+    """linear_selected_logprobs' call: the head's arguments, the shared checks, then the
+    call extended with the head's options."""
+    scale = validation.check_linear(hidden, weight, bias, logit_scale)
+    call = make_call(
+        source=hidden, num_cols=weight.shape[0], has_keep_mask=False,
+        kind=agreement.KIND_LINEAR, extra_fields=_linear_fields(hidden, bias, scale),
+        source_name="hidden", **options,
+    )  # fmt: skip
+    return replace(call, linear=LinearOptions(scale, bias is not None))
 
 
 class _GatherRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, shard, group):
-        import torch.distributed as dist
-
-        parts = [torch.empty_like(shard) for _ in range(group.size)]
-        dist.all_gather(parts, shard.contiguous(), group=group.handle)
+        parts = distributed.all_gather(shard, group)
         ctx.rows = slice(group.rank * shard.shape[0], (group.rank + 1) * shard.shape[0])
         return torch.cat(parts)
 

@@ -6,7 +6,7 @@
 - `simulate_shards`: the four stages over an arbitrary split of the vocabulary in one
   process, combining the partials exactly as the two collectives would.
 - `run_gloo_world`: a real torch.distributed world of processes on 127.0.0.1
-  (`exactlogp.report.worlds`, the one module that starts worlds).
+  (`exactlogp.worlds`, the one module that starts worlds).
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from typing import NamedTuple
 
 import torch
 
-from . import contract
+from . import contract, worlds
 from .backends import ShardPlan, get_backend
-from .report import worlds
+from .temperature import Temperature
 
 # --- case generators ---
 
@@ -274,11 +274,7 @@ class Fp64Reference(NamedTuple):
 
 def scaled_full_logits(logits, temperature=1.0, keep_mask=None, vocab_size=None):
     """(N, V) fp64 y with invalid columns at -inf, exactly as the contract's stage 1."""
-    if isinstance(temperature, torch.Tensor):
-        tau = temperature.to(torch.float32).reshape(-1, 1)
-    else:
-        tau = contract.fp32_temperature(temperature)
-    y = contract.scaled_logits(logits, tau).to(torch.float64)
+    y = contract.scaled_logits(logits, Temperature.of(temperature).column()).to(torch.float64)
     valid = contract.valid_columns(y.shape[-1], 0, vocab_size, keep_mask, y.device)
     return torch.where(valid, y, float("-inf"))
 
@@ -373,10 +369,7 @@ def simulate_shards(
     """
     impl = get_backend(backend, logits.device)
     n = logits.shape[0]
-    if isinstance(temperature, torch.Tensor):
-        tau = temperature.to(torch.float32)
-    else:
-        tau = contract.fp32_temperature(temperature)
+    tau = Temperature.of(temperature)
     shards = list(zip(boundaries[:-1], boundaries[1:], strict=False))
     orders = row_order or [torch.arange(n)] * len(shards)
 
@@ -384,7 +377,7 @@ def simulate_shards(
         lo, hi = shards[k]
         perm = orders[k]
         inv = torch.argsort(perm)
-        part_tau = tau[perm] if isinstance(tau, torch.Tensor) else tau
+        part_tau = tau if not tau.per_row else Temperature(1.0, tau.rows[perm])
         mask = None if keep_mask is None else keep_mask[perm, lo:hi]
         plan = ShardPlan(lo, vocab_size, ignore_index, with_entropy)
         return fn(logits[perm, lo:hi], target[perm], part_tau, mask, plan, perm)[inv]
@@ -398,10 +391,7 @@ def simulate_shards(
         record += run(  # the all_reduce(SUM)
             k, lambda x, t, tau_, m, p, perm: impl.partials(x, t, tau_, m, row_max[perm], p)
         )
-    bad_tau = None
-    if isinstance(tau, torch.Tensor):
-        bad_tau = ~(torch.isfinite(tau) & (tau > 0))
-    return impl.finalize(row_max, record, target, vocab_size, ignore_index, bad_tau)
+    return impl.finalize(row_max, record, target, vocab_size, ignore_index, tau.bad())
 
 
 # --- bitwise helpers ---
@@ -461,7 +451,7 @@ def bit_pattern(t: torch.Tensor) -> torch.Tensor:
     return t.view(view) if t.is_floating_point() else t
 
 
-# --- real process groups on this machine: exactlogp.report.worlds ---
+# --- real process groups on this machine: exactlogp.worlds ---
 
 run_gloo_world = worlds.run_gloo_world
 

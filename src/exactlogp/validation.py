@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import dataclass
 
 import torch
 
-from . import contract
+from . import contract, linear_contract
+from .agreement import ROW_FIELD_NAMES
+from .temperature import Temperature
 
 LOGIT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
@@ -71,8 +72,9 @@ def check_keep_mask(keep_mask, logits: torch.Tensor) -> None:
     _same_device("keep_mask", keep_mask, logits)
 
 
-def check_temperature(temperature, target: torch.Tensor) -> float | torch.Tensor:
-    """A valid float (already rounded to fp32), or the tensor flattened to fp32 (N,)."""
+def check_temperature(temperature, target: torch.Tensor) -> Temperature:
+    """The public API's float or tensor as a Temperature: a valid float rounded to fp32, or
+    the tensor flattened to fp32 (N,) (its values are checked per row, in finalize)."""
     if isinstance(temperature, torch.Tensor):
         if not temperature.is_floating_point():
             raise TypeError(f"temperature tensor must be floating point, got {temperature.dtype}")
@@ -88,7 +90,7 @@ def check_temperature(temperature, target: torch.Tensor) -> float | torch.Tensor
                 "differentiate with respect to the temperature (the gradient would be "
                 "silently missing); pass temperature.detach()"
             )
-        return temperature.to(torch.float32).expand(target.shape).reshape(-1)
+        return Temperature.of(temperature.expand(target.shape))
     if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
         raise TypeError(
             f"temperature must be a float or a tensor, got {type(temperature).__name__}"
@@ -98,7 +100,54 @@ def check_temperature(temperature, target: torch.Tensor) -> float | torch.Tensor
         raise ValueError(
             f"temperature must be finite and > 0 in float32, got {temperature!r} (float32: {tau!r})"
         )
-    return tau
+    return Temperature(tau)
+
+
+def check_linear(hidden, weight, bias, logit_scale) -> float:
+    """The hidden states, the weight shard and the bias; returns logit_scale in fp32."""
+    for name, t in (("hidden", hidden), ("weight", weight)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in LOGIT_DTYPES:
+            raise TypeError(f"{name} must be bfloat16, float16 or float32, got {t.dtype}")
+    if hidden.dim() < 1:
+        raise ValueError("hidden must have a hidden dimension (..., H), got a 0-d tensor")
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be (V_local, H), got shape {tuple(weight.shape)}")
+    if weight.dtype != hidden.dtype:
+        raise TypeError(f"weight dtype {weight.dtype} must equal hidden dtype {hidden.dtype}")
+    h = hidden.shape[-1]
+    if weight.shape[1] != h:
+        raise ValueError(
+            f"weight shape {tuple(weight.shape)} must be (V_local, H) with H = {h}, the last "
+            "dimension of hidden"
+        )
+    if h > linear_contract.MAX_HIDDEN:
+        raise ValueError(
+            f"the hidden size {h} is larger than {linear_contract.MAX_HIDDEN} (int64 sums)"
+        )
+    if weight.device != hidden.device:
+        raise ValueError(f"weight is on {weight.device} but must be on {hidden.device}")
+    if bias is not None:
+        if not isinstance(bias, torch.Tensor) or bias.dtype not in LOGIT_DTYPES:
+            kind = bias.dtype if isinstance(bias, torch.Tensor) else type(bias).__name__
+            raise TypeError(f"bias must be None or a bf16/fp16/fp32 tensor, got {kind}")
+        if tuple(bias.shape) != (weight.shape[0],):
+            raise ValueError(
+                f"bias shape {tuple(bias.shape)} must be (V_local,) = ({weight.shape[0]},)"
+            )
+        if bias.device != hidden.device:
+            raise ValueError(f"bias is on {bias.device} but must be on {hidden.device}")
+    if isinstance(logit_scale, bool) or not isinstance(logit_scale, numbers.Real):
+        raise TypeError(f"logit_scale must be a float, got {type(logit_scale).__name__}")
+    scale = contract.fp32_temperature(logit_scale)  # the same rounding to fp32
+    if not (math.isfinite(scale) and scale > 0.0):
+        raise ValueError(
+            f"logit_scale must be finite and > 0 in float32, got {logit_scale!r} (float32: "
+            f"{scale!r}); a model with a softcap (Gemma's final_logit_softcapping) is not "
+            "covered by the logits contract"
+        )
+    return scale
 
 
 def check_int(name: str, value, minimum: int = INT64_MIN, maximum: int = INT64_MAX):
@@ -190,55 +239,41 @@ _MESSAGES = (  # flag, message; the first flag set on the first bad row is repor
 )
 
 
-@dataclass(frozen=True)
-class RowContext:
-    """What the bad-row messages need besides the flags."""
-
-    shape: tuple[int, ...]  # the caller's target shape
-    temperature: object  # float or (N,) fp32
-    vocab_size: int | None
-    ignore_index: int
-    world_size: int
-    num_cols: int  # this shard's columns (the whole vocabulary without a TP group)
-    ranks: object = None  # agreement.RankCheck, with a TP group
-
-
 def _index(row: int, shape: tuple[int, ...]) -> str:
     idx = list(torch.unravel_index(torch.tensor(row), shape)) if shape else []
     return "[" + ", ".join(str(int(i)) for i in idx) + "]"
 
 
-def _owner_message(idx: str, t: int, owners: int, ctx: RowContext) -> str:
-    if ctx.world_size == 1:
+def _owner_message(idx: str, t: int, owners: int, call) -> str:
+    world = call.group.size
+    if world == 1:
         return (
             f"target{idx} = {t} is not a column of vocab_parallel_logits, which holds the "
-            f"whole vocabulary [0, {ctx.num_cols}) (there is no tensor-parallel group)"
+            f"whole vocabulary [0, {call.num_cols}) (there is no tensor-parallel group)"
         )
     if owners == 0:
         return (
-            f"target{idx} = {t} is held by none of the {ctx.world_size} vocab shards: it is "
+            f"target{idx} = {t} is held by none of the {world} vocab shards: it is "
             "past the end of the last shard"
         )
     return (
-        f"target{idx} = {t} is held by {owners} of {ctx.world_size} vocab shards (must be "
+        f"target{idx} = {t} is held by {owners} of {world} vocab shards (must be "
         "exactly 1): the shards overlap"
     )
 
 
-def _ranks_message(row: int, ctx: RowContext) -> str:
-    """A disagreement found in the all_reduce(MAX): the first row that differs, if any."""
-    check = ctx.ranks
+def _ranks_message(check, shape: tuple[int, ...]) -> str:
+    """A disagreement found in the all_reduce(MAX) (`check`: agreement.RankCheck): the
+    first row that differs, if any."""
     rows = torch.nonzero(check.rows).flatten()
     if len(rows):
-        from .agreement import ROW_FIELD_NAMES
-
         r = int(rows[0])
         hi, lo = int(check.target_max[r]), int(check.target_min[r])
         field = ROW_FIELD_NAMES[int(torch.nonzero(check.differs[:, r])[0])]
         what = (
-            f"target{_index(r, ctx.shape)} is {hi} on some ranks and {lo} on others"
+            f"target{_index(r, shape)} is {hi} on some ranks and {lo} on others"
             if field == "target"
-            else f"the {field} of row{_index(r, ctx.shape)} differ"
+            else f"the {field} of row{_index(r, shape)} differ"
             + ("s" if field == "temperature" else "")
         )
         return (
@@ -252,7 +287,8 @@ def raise_for_bad_rows(
     bad: torch.Tensor,  # (N,) int64 flags
     record: torch.Tensor,  # (N, NUM_COLS) int64
     target: torch.Tensor,  # (N,)
-    ctx: RowContext,
+    call,  # exactlogp.call.Call
+    ranks=None,  # agreement.RankCheck, with a TP group
 ) -> None:
     if not bool(bad.any()):  # the one host sync of validation
         return
@@ -260,21 +296,21 @@ def raise_for_bad_rows(
     row = int(rows[0])
     flags = int(bad[row])
     if flags & contract.BAD_RANKS:  # poisons every row: nothing else of the call holds
-        raise ValueError(_ranks_message(row, ctx))
-    idx = _index(row, ctx.shape)
+        raise ValueError(_ranks_message(ranks, call.target_shape))
+    idx = _index(row, call.target_shape)
     t, owners = int(target[row]), int(record[row, contract.COL_OWNERS])
-    tau = ctx.temperature
+    vocab_size = call.plan.vocab_size
     fields = dict(
         idx=idx,
         t=t,
-        tau=float(tau[row]) if isinstance(tau, torch.Tensor) else tau,
-        vocab="end of the last shard" if ctx.vocab_size is None else ctx.vocab_size,
-        ignore=ctx.ignore_index,
+        tau=call.temperature.at(row),
+        vocab="end of the last shard" if vocab_size is None else vocab_size,
+        ignore=call.plan.ignore_index,
         nonfinite=int(record[row, contract.COL_NONFINITE]),
     )
     for flag, message in _MESSAGES:
         if flags & flag:
-            text = message.format(**fields) if message else _owner_message(idx, t, owners, ctx)
+            text = message.format(**fields) if message else _owner_message(idx, t, owners, call)
             break
     more = len(rows) - 1
     if more:

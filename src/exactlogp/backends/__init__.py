@@ -48,8 +48,17 @@ def backend_names() -> tuple[str, ...]:
     return tuple(_REGISTRY)
 
 
-def get_backend(name: str, device: torch.device) -> Backend:
-    """The backend called `name` (or the best for `device` when name == "auto")."""
+def get_backend(name: str | Backend, device: torch.device) -> Backend:
+    """The backend called `name` (or the best for `device` when name == "auto"), or the
+    backend object `name` itself once it supports `device`."""
+    if isinstance(name, Backend):
+        _check_supports(name, device, name.name)
+        return name
+    if not isinstance(name, str):
+        raise TypeError(
+            f"backend must be a str or an exactlogp Backend object (e.g. "
+            f"exactlogp.backends.CpuBackend(num_threads=4)), got {type(name).__name__}"
+        )
     if name == "auto":  # resolved once per device type
         found = _cache.get(f"auto:{device.type}")
         if found is None:
@@ -60,12 +69,16 @@ def get_backend(name: str, device: torch.device) -> Backend:
     backend = _load(name)
     if backend is None:
         raise ValueError(f"backend={name!r} is not available: {_load_errors[name]}")
+    _check_supports(backend, device, name)
+    return backend
+
+
+def _check_supports(backend: Backend, device: torch.device, name: str) -> None:
     if not backend.supports(device):
         why = getattr(backend, "unsupported_reason", lambda _: None)(device)
         raise ValueError(
             f"backend={name!r} does not support device {device}" + (f": {why}" if why else "")
         )
-    return backend
 
 
 def _auto(device: torch.device) -> Backend:
@@ -113,4 +126,21 @@ def _load(name: str) -> Backend | None:
     return _cache.get(name)
 
 
-__all__ = ["Backend", "ShardPlan", "backend_names", "get_backend"]
+def __getattr__(name: str):
+    """The backend classes by name, loaded on first use (their optional dependencies with
+    them): exactlogp.backends.CpuBackend, ReferenceBackend, TritonBackend."""
+    for module, cls in _REGISTRY.values():
+        if cls == name:
+            return getattr(importlib.import_module(module), cls)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = [
+    "Backend",
+    "CpuBackend",
+    "ReferenceBackend",
+    "ShardPlan",
+    "TritonBackend",
+    "backend_names",
+    "get_backend",
+]

@@ -8,7 +8,6 @@ input.
 
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import dataclass
 
@@ -64,38 +63,56 @@ def take_rows(rows: torch.Tensor, block: slice) -> torch.Tensor:
     return rows[index // rows.shape[1], index % rows.shape[1]]
 
 
-def bad_temperature(temperature) -> torch.Tensor | None:
-    """(N,) bool: the per-row temperatures that finalize flags BAD_TEMPERATURE (not finite,
-    or not > 0); None for a scalar, which the argument checks already passed."""
-    if isinstance(temperature, torch.Tensor):
-        return ~(torch.isfinite(temperature) & (temperature > 0))
-    return None
+# value_tables: a speed option of the cpu and triton backends; every mode gives the same bits
+VALUE_TABLE_MODES = ("auto", "always", "never")
 
 
-@contextlib.contextmanager
-def backend_option(impl, option: str, mode: str):
-    """Backend `impl` with its speed option `option` set to `mode` for the block, put back
-    after: "value_tables" (cpu, triton) or "exact_gemm" (triton). The bits are the same."""
-    before = getattr(impl, option)
-    setattr(impl, option, mode)
-    try:
-        yield impl
-    finally:
-        setattr(impl, option, before)
-
-
-def value_tables_mode(impl, mode: str):
-    """Backend `impl` (one with value tables: cpu, triton) in value-table mode `mode` for the
-    block, its mode put back after: a speed choice only, the bits are the same."""
-    return backend_option(impl, "value_tables", mode)
+def check_mode(option: str, value, modes: tuple[str, ...]) -> str:
+    """`value` if it is one of `modes`, else a ValueError naming `option`."""
+    if not isinstance(value, str) or value not in modes:
+        raise ValueError(f"{option} must be one of {modes}, got {value!r}")
+    return value
 
 
 class Backend:
     """Interface; `logits` is a row_view of the shard, (N, V_local) or (B, T, V_local) with
-    B * T = N rows, `target` (N,) int64 with global ids, `temperature` a float or an fp32
-    (N,) tensor, `keep_mask` None or bool shaped like `logits`."""
+    B * T = N rows, `target` (N,) int64 with global ids, `temperature` a
+    exactlogp.temperature.Temperature (a scalar, or one per row), `keep_mask` None or bool
+    shaped like `logits`.
+
+    A backend object is immutable once built: its options are fixed at construction (pass
+    another object for other options), so one object may serve many threads and calls.
+    """
 
     name = "base"
+
+    def __setattr__(self, name, value):
+        if getattr(self, "_frozen", False):
+            raise AttributeError(
+                f"exactlogp backends are immutable: build another {type(self).__name__} "
+                f"for other options instead of setting {name!r}"
+            )
+        object.__setattr__(self, name, value)
+
+    def _freeze(self, **options) -> None:
+        """The end of a constructor: `options` are its keyword arguments as given (what
+        with_options starts from); no attribute changes after it."""
+        object.__setattr__(self, "_options", options)
+        object.__setattr__(self, "_frozen", True)
+
+    @property
+    def options(self) -> dict:
+        """The constructor's keyword arguments this backend was built with."""
+        return dict(self._options)
+
+    def with_options(self, **changes) -> Backend:
+        """Another backend of this class, with `changes` to its options (this one stays as
+        it is): e.g. get_backend("cpu", device).with_options(value_tables="never")."""
+        return type(self)(**{**self._options, **changes})
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self._options.items())
+        return f"{type(self).__name__}({args})"
 
     def supports(self, device: torch.device) -> bool:
         raise NotImplementedError
@@ -119,9 +136,8 @@ class Backend:
     def finish_unsharded(self, row_max, record, target, temperature, plan: ShardPlan):
         """forward_unsharded's last stage: (row max, record, Finalized of the record)."""
         fin = self.finalize(
-            row_max, record, target, plan.vocab_size, plan.ignore_index,
-            bad_temperature(temperature),
-        )  # fmt: skip
+            row_max, record, target, plan.vocab_size, plan.ignore_index, temperature.bad()
+        )
         return row_max, record, fin
 
     def finalize(

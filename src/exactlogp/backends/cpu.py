@@ -23,9 +23,10 @@ import torch
 from .. import contract
 from ..contract import GradStats
 from . import cpu_build, in_forked_child
-from .base import Backend, ShardPlan, num_rows
+from .base import VALUE_TABLE_MODES, Backend, ShardPlan, check_mode, num_rows
 
-_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+# the kernels' dtype codes (elp_shard.dtype in the C source)
+_KERNEL_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 # Below this many logits per thread, waking a thread costs more than it saves.
 MIN_ELEMENTS_PER_THREAD = 1 << 16
 # value_tables="auto": rows with at least this many real columns use value tables, per
@@ -33,12 +34,11 @@ MIN_ELEMENTS_PER_THREAD = 1 << 16
 # they won on this project's benchmark machines. "forward" is the whole forward without a
 # TP group, where the tables also give the max; fp16 rows hold several times more distinct
 # values than bf16 rows, so their tables pay only on longer rows.
-TABLE_MIN_COLS = {
+TABLE_MIN_COLS_BY_PASS = {
     "forward": {torch.bfloat16: 8192, torch.float16: 32768, torch.float32: 8192},
     "partials": {torch.bfloat16: 16384, torch.float16: 65536, torch.float32: 16384},
     "grad": {torch.bfloat16: 32768},
 }
-_TABLE_MODES = ("auto", "always", "never")
 _ISA_NAMES = ("baseline", "avx2", "avx512")
 
 
@@ -127,8 +127,8 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 class CpuBackend(Backend):
     """`num_threads`: threads per pass, None follows torch.get_num_threads();
     `isa`: "avx512", "avx2" or "baseline", None picks this CPU's best
-    (cpu_build.default_isa); `value_tables`: "auto" (rows of at least TABLE_MIN_COLS
-    columns), "always" (16-bit rows and bf16-exact fp32 rows of any length) or "never" --
+    (cpu_build.default_isa); `value_tables`: "auto" (rows of at least
+    TABLE_MIN_COLS_BY_PASS columns), "always" (16-bit rows and bf16-exact fp32 rows of any length) or "never" --
     a speed choice only: every mode gives the same bits."""
 
     name = "cpu"
@@ -140,11 +140,10 @@ class CpuBackend(Backend):
             isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1
         ):
             raise ValueError(f"num_threads must be None or an int >= 1, got {num_threads!r}")
-        if value_tables not in _TABLE_MODES:
-            raise ValueError(f"value_tables must be one of {_TABLE_MODES}, got {value_tables!r}")
         self.num_threads = num_threads
-        self.value_tables = value_tables
-        self._lib = _bind(cpu_build.load(isa))
+        self.value_tables = check_mode("value_tables", value_tables, VALUE_TABLE_MODES)
+        self._lib = _bind(cpu_build.load(isa))  # found in the cache, or built into it
+        self._freeze(num_threads=num_threads, isa=isa, value_tables=value_tables)
 
     def supports(self, device: torch.device) -> bool:
         return torch.device(device).type == "cpu"
@@ -163,13 +162,13 @@ class CpuBackend(Backend):
     def _table_min_cols(self, dtype: torch.dtype, pass_name: str) -> int:
         """The shard's table_min_cols for one pass: -1 keeps the direct loops."""
         if self.value_tables == "auto":
-            return TABLE_MIN_COLS[pass_name].get(dtype, -1)
+            return TABLE_MIN_COLS_BY_PASS[pass_name].get(dtype, -1)
         return 0 if self.value_tables == "always" else -1
 
     def _shard(self, logits, temperature, keep_mask, plan: ShardPlan, pass_name="", target=None):
         """(elp_shard, tensors that must outlive the call); pass_name "forward", "partials"
         or "grad" lets the pass use value tables."""
-        if logits.dtype not in _DTYPE_CODES:
+        if logits.dtype not in _KERNEL_DTYPE_CODES:
             raise TypeError(f"backend 'cpu' supports bf16/fp16/fp32 logits, got {logits.dtype}")
         x = _unit_column_stride(logits)  # (N, V) or (B, T, V) rows
         n_rows, n_cols = num_rows(x), x.shape[-1]
@@ -177,14 +176,12 @@ class CpuBackend(Backend):
         if plan.vocab_size is not None:
             n_real = min(max(plan.vocab_size - plan.vocab_start, 0), n_cols)
         keep = None if keep_mask is None else _unit_column_stride(keep_mask).view(torch.uint8)
-        tau_rows = None
-        if isinstance(temperature, torch.Tensor):
-            tau_rows = _f32(temperature).reshape(-1)
-            if tau_rows.numel() != n_rows:  # the kernel reads one per row
-                raise ValueError(
-                    f"temperature must hold one value per row ({n_rows}), got shape "
-                    f"{tuple(temperature.shape)}"
-                )
+        tau_rows = temperature.rows
+        if tau_rows is not None and tau_rows.numel() != n_rows:  # the kernel reads one per row
+            raise ValueError(
+                f"temperature must hold one value per row ({n_rows}), got shape "
+                f"{tuple(tau_rows.shape)}"
+            )
         target = None if target is None else _i64(target)
         threads = self.num_threads or torch.get_num_threads()
         threads = max(1, min(threads, n_rows * n_cols // MIN_ELEMENTS_PER_THREAD))
@@ -194,8 +191,8 @@ class CpuBackend(Backend):
         shard = _Shard(
             x.data_ptr(), x.stride(-2), n_rows, n_cols, n_real,
             _ptr(keep), 0 if keep is None else keep.stride(-2),
-            _ptr(tau_rows), 1.0 if tau_rows is not None else float(temperature),
-            _DTYPE_CODES[logits.dtype], threads,
+            _ptr(tau_rows), temperature.scalar,
+            _KERNEL_DTYPE_CODES[logits.dtype], threads,
             self._table_min_cols(logits.dtype, pass_name) if pass_name else -1,
             _ptr(target), plan.vocab_start,
             -1 if plan.vocab_size is None else plan.vocab_size, plan.ignore_index,

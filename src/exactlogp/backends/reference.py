@@ -23,7 +23,7 @@ def _row_blocks(num_rows: int, num_cols: int):
 
 
 def _block_inputs(logits, temperature, keep_mask, plan: ShardPlan, rows: slice):
-    tau = temperature[rows].unsqueeze(-1) if isinstance(temperature, torch.Tensor) else temperature
+    tau = temperature.take(rows).column()
     y = contract.scaled_logits(take_rows(logits, rows), tau)
     mask = None if keep_mask is None else take_rows(keep_mask, rows)
     valid = contract.valid_columns(
@@ -34,6 +34,9 @@ def _block_inputs(logits, temperature, keep_mask, plan: ShardPlan, rows: slice):
 
 class ReferenceBackend(Backend):
     name = "reference"
+
+    def __init__(self):
+        self._freeze()
 
     def supports(self, device: torch.device) -> bool:
         return True

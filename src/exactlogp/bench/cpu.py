@@ -38,6 +38,7 @@ import torch
 from ..report import candidates, measure
 from ..report.measure import MODES
 from ..report.tp1 import tp1_steps
+from ..temperature import ONE
 from ..testing import heavy_tailed_logits, llm_like_logits
 
 # environment variables that cap the instruction sets (ours, ATen's and inductor's, oneDNN's,
@@ -291,22 +292,22 @@ def profile(args) -> dict:
     cpu = get_backend("cpu", x.device)
     direct = CpuBackend(num_threads=cpu.num_threads, value_tables="never")
     plan = ShardPlan(0, None, -100, False)
-    row_max = cpu.row_max(x, 1.0, None, plan)
-    record = cpu.partials(x, target, 1.0, None, row_max, plan)
+    row_max = cpu.row_max(x, ONE, None, plan)
+    record = cpu.partials(x, target, ONE, None, row_max, plan)
     fin = contract.finalize(row_max, record, target, None, -100, None)
     stats = contract.grad_stats(row_max, fin, -torch.ones_like(fin.s_hi), None, None)
     mapped = torch.empty_like(x).fill_(0)
     stages = {
-        "row_max pass": lambda: cpu.row_max(x, 1.0, None, plan),
-        "partials pass": lambda: cpu.partials(x, target, 1.0, None, row_max, plan),
+        "row_max pass": lambda: cpu.row_max(x, ONE, None, plan),
+        "partials pass": lambda: cpu.partials(x, target, ONE, None, row_max, plan),
         "partials pass, with entropy": lambda: cpu.partials(
-            x, target, 1.0, None, row_max, ShardPlan(0, None, -100, True)
+            x, target, ONE, None, row_max, ShardPlan(0, None, -100, True)
         ),
-        "partials pass, direct loops": lambda: direct.partials(x, target, 1.0, None, row_max, plan),
+        "partials pass, direct loops": lambda: direct.partials(x, target, ONE, None, row_max, plan),
         "finalize": lambda: contract.finalize(row_max, record, target, None, -100, None),
-        "grad pass (fresh output)": lambda: cpu.grad(x, target, 1.0, None, stats, plan),
+        "grad pass (fresh output)": lambda: cpu.grad(x, target, ONE, None, stats, plan),
         "grad pass, direct loops (fresh output)": lambda: direct.grad(
-            x, target, 1.0, None, stats, plan
+            x, target, ONE, None, stats, plan
         ),
         "copy of the logits into a mapped buffer": lambda: mapped.copy_(x),
         "first write of a fresh [N, V] tensor": lambda: torch.empty_like(x).fill_(0),

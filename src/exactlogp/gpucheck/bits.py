@@ -15,7 +15,6 @@ torch.cuda.set_sync_debug_mode("error").
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import time
 from dataclasses import dataclass
@@ -26,7 +25,7 @@ import exactlogp
 
 from .. import contract, testing
 from ..backends import ShardPlan, get_backend
-from ..backends.base import value_tables_mode
+from ..temperature import Temperature
 
 QWEN3_NEXT_VOCAB = 151936
 TP = 4
@@ -118,7 +117,7 @@ def make_inputs(case: BitCase, device, seed: int = 0) -> Inputs:
 # --- running both backends ---
 
 
-def run_api(inp: Inputs, case: BitCase, backend: str, with_entropy: bool) -> dict:
+def run_api(inp: Inputs, case: BitCase, backend, with_entropy: bool) -> dict:
     """Forward outputs and the gradient of sum(weights * outputs), through the public API."""
     x = inp.logits.clone().requires_grad_(True)
     res = exactlogp.selected_logprobs(
@@ -132,9 +131,9 @@ def run_api(inp: Inputs, case: BitCase, backend: str, with_entropy: bool) -> dic
     return {k: v.detach() for k, v in outs.items()} | {"grad": x.grad}
 
 
-def run_sharded(inp: Inputs, case: BitCase, with_entropy: bool) -> dict:
+def run_sharded(inp: Inputs, case: BitCase, impl, with_entropy: bool) -> dict:
     """The TP pipeline over `case.shards` shards on one device, collectives done exactly."""
-    impl = get_backend("triton", inp.logits.device)
+    tau = Temperature.of(inp.temperature)
     n, width = inp.logits.shape[0], case.vocab // case.shards
     spans = [(k * width, (k + 1) * width) for k in range(case.shards)]
 
@@ -146,15 +145,15 @@ def run_sharded(inp: Inputs, case: BitCase, with_entropy: bool) -> dict:
     row_max = torch.full((n,), float("-inf"), device=inp.logits.device)
     for lo, hi in spans:  # all_reduce(MAX)
         x, keep, plan = shard(lo, hi)
-        row_max = torch.maximum(row_max, impl.row_max(x, inp.temperature, keep, plan))
+        row_max = torch.maximum(row_max, impl.row_max(x, tau, keep, plan))
     record = torch.zeros(n, contract.NUM_COLS, dtype=torch.int64, device=row_max.device)
     for lo, hi in spans:  # all_reduce(SUM)
         x, keep, plan = shard(lo, hi)
-        record += impl.partials(x, inp.target, inp.temperature, keep, row_max, plan)
+        record += impl.partials(x, inp.target, tau, keep, row_max, plan)
     fin = impl.finalize(row_max, record, inp.target, case.vocab_size, -100, None)
     g_lp, g_lse, g_ent = inp.weights
     stats = contract.grad_stats(row_max, fin, g_lp, g_ent if with_entropy else None, g_lse)
-    tau = contract.grad_temperature(stats, inp.temperature)
+    tau = tau.gradient_divisor(stats)
     grads = []
     for lo, hi in spans:
         x, keep, plan = shard(lo, hi)
@@ -165,24 +164,24 @@ def run_sharded(inp: Inputs, case: BitCase, with_entropy: bool) -> dict:
     return outs | {"grad": torch.cat(grads, dim=1)}
 
 
-def run_local_passes(inp: Inputs, case: BitCase, backend: str, lo: int, hi: int) -> dict:
+def run_local_passes(inp: Inputs, case: BitCase, backend, lo: int, hi: int) -> dict:
     """One shard's local passes (what a TP rank computes), with the whole-row max."""
     impl = get_backend(backend, inp.logits.device)
+    tau = Temperature.of(inp.temperature)
     full_plan = ShardPlan(0, case.vocab_size, -100, True)
-    row_max = impl.row_max(inp.logits, inp.temperature, inp.keep_mask, full_plan)
+    row_max = impl.row_max(inp.logits, tau, inp.keep_mask, full_plan)
     plan = ShardPlan(lo, case.vocab_size, -100, True)
     x = inp.logits[:, lo:hi]
     return {
-        "shard_row_max": impl.row_max(x, inp.temperature, None, plan),
-        "shard_record": impl.partials(x, inp.target, inp.temperature, None, row_max, plan),
+        "shard_row_max": impl.row_max(x, tau, None, plan),
+        "shard_record": impl.partials(x, inp.target, tau, None, row_max, plan),
     }
 
 
-def triton_path(device, value_tables: str):
-    """The Triton backend on `device` on the path `value_tables` names ("auto": as it is)."""
-    if value_tables == "auto":
-        return contextlib.nullcontext()
-    return value_tables_mode(get_backend("triton", device), value_tables)
+def triton_backend(device, value_tables: str):
+    """The Triton backend for `device` on the path `value_tables` names ("auto": as it is)."""
+    impl = get_backend("triton", device)
+    return impl if value_tables == "auto" else impl.with_options(value_tables=value_tables)
 
 
 # --- comparing bits ---
@@ -207,13 +206,13 @@ def check_bits(
     cpu_inp = inp.rows(count, "cpu")
     inputs_key = dataclasses.replace(case, name="", shards=1, value_tables="auto")
     results = []
+    triton = triton_backend(device, case.value_tables)
     for with_entropy in (False, True):
         t0 = time.perf_counter()
-        with triton_path(device, case.value_tables):
-            if case.shards > 1:
-                got = run_sharded(inp, case, with_entropy)
-            else:
-                got = run_api(inp, case, "triton", with_entropy)
+        if case.shards > 1:
+            got = run_sharded(inp, case, triton, with_entropy)
+        else:
+            got = run_api(inp, case, triton, with_entropy)
         t1 = time.perf_counter()
         key = (inputs_key, count, with_entropy)
         if key not in ref_cache:
@@ -228,8 +227,7 @@ def check_bits(
             f"{ref_backend} backend ({count} of {case.rows} rows, CPU) {t2 - t1:.1f} s")  # fmt: skip
     if case.shards > 1:  # one TP rank's local passes on its own
         lo, hi = (case.shards - 1) * (case.vocab // case.shards), case.vocab
-        with triton_path(device, case.value_tables):
-            got = run_local_passes(inp.rows(count, device), case, "triton", lo, hi)
+        got = run_local_passes(inp.rows(count, device), case, triton, lo, hi)
         want = run_local_passes(cpu_inp, case, ref_backend, lo, hi)
         for name in want:
             res = testing.compare_bits(got[name], want[name])

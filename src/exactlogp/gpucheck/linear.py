@@ -20,18 +20,18 @@ import torch
 
 import exactlogp
 
+from .. import worlds
 from ..backends import get_backend
-from ..backends.base import backend_option
-from ..report import candidates, measure, worlds
+from ..report import candidates, measure
 from ..testing import bit_pattern, compare_bits, lm_head_inputs
 
 QWEN3_NEXT_HIDDEN = 2048
 GEMM_PATHS = ("fp64", "int8")  # TritonBackend's exact_gemm modes
 
 
-def gemm_path(device: torch.device, mode: str):
-    """The Triton backend on `device` with its exact GEMM on path `mode`."""
-    return backend_option(get_backend("triton", device), "exact_gemm", mode)
+def gemm_backend(device: torch.device, mode: str):
+    """The Triton backend for `device` with its exact GEMM on path `mode`."""
+    return get_backend("triton", device).with_options(exact_gemm=mode)
 
 
 def run_bits(device: torch.device, tiny: bool, log) -> list[dict]:
@@ -55,8 +55,7 @@ def run_bits(device: torch.device, tiny: bool, log) -> list[dict]:
     want = run("reference", torch.device("cpu"))
     for mode in GEMM_PATHS:
         log(f"  fused head {n} x {h} x {v}: triton ({mode} GEMM) on {device}, reference on CPU")
-        with gemm_path(device, mode):
-            got = run("triton", device)
+        got = run(gemm_backend(device, mode), device)
         for name in want:
             row = compare_bits(got[name], want[name])
             out.append({"case": f"fused-head {n}x{h}x{v} gemm={mode}", "entropy": True,
@@ -128,12 +127,13 @@ def latency(device: torch.device, tiny: bool, repeats: int, warmup: int, log) ->
         return hid.detach().requires_grad_(True), w.detach().requires_grad_(True)
 
     def exact(mode):
+        backend = gemm_backend(device, mode)
+
         def step(backward):
             x, wt = with_grad() if backward else (hid, w)
-            with gemm_path(device, mode):
-                res = exactlogp.linear_selected_logprobs(x, wt, t, validate=False)
-                if backward:
-                    (-res.logprobs.sum()).backward()
+            res = exactlogp.linear_selected_logprobs(x, wt, t, validate=False, backend=backend)
+            if backward:
+                (-res.logprobs.sum()).backward()
             return res.logprobs
 
         return step

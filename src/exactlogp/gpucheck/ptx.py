@@ -48,7 +48,8 @@ from triton.compiler import ASTSource
 
 from .. import contract
 from ..backends import ShardPlan
-from ..backends.triton import kernels, launch, linear_kernels, value_tables
+from ..backends.triton import kernels, launch, linear_kernels, prepare, value_tables
+from ..temperature import Temperature
 
 INTERPRETED = "run without TRITON_INTERPRET=1: the check compiles the kernels"
 
@@ -138,16 +139,16 @@ def launched(v: Variant, vocab: int = VOCAB, sms: int = SMS) -> list:
     which integers are 1 or multiples of 16, never on values in memory)."""
     calls: list = []
     saved = {(m, name): getattr(m, name) for m, names in _KERNELS.items() for name in names}
-    saved_programs = launch._target_programs
+    saved_programs = prepare.target_programs
     try:
         for (module, name), fn in saved.items():
             setattr(module, name, _Capture(fn, calls))
-        launch._target_programs = lambda device: launch.PROGRAMS_PER_SM * sms
+        prepare.target_programs = lambda device: prepare.PROGRAMS_PER_SM * sms
         _launch(v, v.rows, vocab)
     finally:
         for (module, name), fn in saved.items():
             setattr(module, name, fn)
-        launch._target_programs = saved_programs
+        prepare.target_programs = saved_programs
     first = {}
     for fn, args, kwargs in calls:
         first.setdefault(fn, (fn, args, kwargs))
@@ -171,7 +172,7 @@ def _launch(v: Variant, rows: int, vocab: int) -> None:
         )  # fmt: skip
         return
     logits = empty(rows, vocab, dtype=v.dtype)
-    tau = 0.7 if "tau" in v.flags else 1.0
+    tau = Temperature.of(0.7 if "tau" in v.flags else 1.0)
     keep = empty(rows, vocab, dtype=torch.bool) if "keep" in v.flags else None
     plan = ShardPlan(0, None, -100, "entropy" in v.flags)
     f64 = [empty(rows, dtype=torch.float64) for _ in range(8)]

@@ -29,6 +29,7 @@ from ..backends import ShardPlan, get_backend
 from ..report import measure
 from ..report.measure import MODES
 from ..report.tp1 import tp1_steps
+from ..temperature import ONE
 from ..testing import llm_like_logits
 
 HEADLINE = "exactlogp[triton,validate=false]"  # the whole forward through the public API
@@ -62,11 +63,11 @@ def _parts(x: torch.Tensor, target: torch.Tensor) -> dict:
     """exactlogp's stages on their own, forward only."""
     impl = get_backend("triton", x.device)
     plan = ShardPlan(0, None, -100, False)
-    row_max = impl.row_max(x, 1.0, None, plan)
-    record = impl.partials(x, target, 1.0, None, row_max, plan)
+    row_max = impl.row_max(x, ONE, None, plan)
+    record = impl.partials(x, target, ONE, None, row_max, plan)
     return {
         "exactlogp local passes (max + terms)": lambda: impl.partials(
-            x, target, 1.0, None, impl.row_max(x, 1.0, None, plan), plan
+            x, target, ONE, None, impl.row_max(x, ONE, None, plan), plan
         ),
         "exactlogp finalize kernel alone": lambda: impl.finalize(
             row_max, record, target, None, -100, None
@@ -143,7 +144,7 @@ def bandwidth(shapes: dict, device, repeats: int, warmup: int) -> list[dict]:
     for label, (n, v) in shapes.items():
         x, _ = llm_like_logits(n, v, torch.bfloat16, 2, device)
         what = f"max pass, {label} bf16"
-        steps[what] = lambda x=x: impl.row_max(x, 1.0, None, plan)
+        steps[what] = lambda x=x: impl.row_max(x, ONE, None, plan)
         sizes[what] = x.numel() * x.element_size()
     src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)

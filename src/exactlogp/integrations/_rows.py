@@ -18,7 +18,6 @@ from ..api import selected_logprobs
 from ._dtensor import is_dtensor, vocab_shard
 
 IGNORE = -100  # the id that gives 0 (exactlogp's default ignore_index)
-CONTRACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def check_tensor(name: str, value) -> torch.Tensor:

@@ -33,6 +33,7 @@ from contextlib import nullcontext
 import torch
 
 from ..linear import linear_logits, linear_selected_logprobs
+from ..validation import LOGIT_DTYPES
 from . import _patching, _rows
 from ._dtensor import is_dtensor, vocab_shard
 
@@ -118,7 +119,7 @@ def _dtype(out_dtype, logits: torch.Tensor, index: torch.Tensor | None = None) -
         return out_dtype
     kernel = (
         logits.device.type in ("cuda", "xpu")
-        and logits.dtype in _rows.CONTRACT_DTYPES
+        and logits.dtype in LOGIT_DTYPES
         and 1 <= logits.dim() <= 3
         and (index is None or tuple(index.shape) == tuple(logits.shape[:-1]))
         and _rows.triton_installed()

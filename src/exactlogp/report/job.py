@@ -29,8 +29,9 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from .. import worlds
 from ..testing import sha256
-from . import candidates, checks, emulation, measure, workload, worlds
+from . import candidates, checks, emulation, measure, workload
 
 SUB_BATCH_SIZES = (1, 2, 3, 5, 8, 13, 21, 34, 55, 89)
 KINDS = ("checks", "timing", "settings")

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from . import candidates, worlds
+from .. import worlds
+from . import candidates
 from .candidates.base import WORKLOADS
 from .workload import cut_shard
 

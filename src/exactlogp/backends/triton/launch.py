@@ -21,15 +21,17 @@ import torch
 
 from ... import contract
 from ...contract import GradStats
-from ..base import Backend, ShardPlan, num_rows
-from . import kernels
-
-
-@dataclass(frozen=True)
-class LaunchConfig:
-    block_v: int  # columns per step of a program's loop (a power of two)
-    num_warps: int
-    num_stages: int = 2
+from ..base import VALUE_TABLE_MODES, Backend, ShardPlan, check_mode, num_rows
+from . import kernels, value_tables
+from .prepare import (
+    LaunchConfig,
+    Prepared,
+    grad_temperature,
+    on_device,
+    prepare,
+    programs_per_row,
+    unit_stride,
+)
 
 
 @dataclass(frozen=True)
@@ -55,9 +57,6 @@ CONFIGS: dict[torch.dtype, DtypeConfigs] = {
 FINALIZE_BLOCK_N = 128
 FINALIZE_NUM_WARPS = 4
 
-# Aim for this many programs per multiprocessor when splitting rows across programs.
-PROGRAMS_PER_SM = 8
-
 _GRAD_KIND = {
     torch.float32: (kernels.OUT_F32.value, torch.int32),
     torch.float16: (kernels.OUT_F16.value, torch.int16),
@@ -72,87 +71,7 @@ def interpreted() -> bool:
     return isinstance(kernels.partials_kernel, InterpretedFunction)
 
 
-# --- argument preparation ---
-
-
-@dataclass(frozen=True)
-class _Prepared:
-    x: torch.Tensor  # logits rows (N, V) or (B, T, V), unit column stride; bf16 as int16
-    keep: torch.Tensor  # uint8 keep mask shaped like x, or a stand-in pointer
-    tau: torch.Tensor  # fp32 (N,) or (1,)
-    stride_tau: int
-    has_tau: bool
-    n_real: int  # local columns below the padding
-    rows: int  # N
-
-    def row_args(self) -> tuple[int, ...]:
-        """stride_x, stride_keep, stride_tau, rows_inner, stride_x_outer, stride_keep_outer
-        of the kernels (kernels._row_ptr): rows read in place, in one or two levels."""
-        x, keep = self.x, self.keep
-        if x.dim() == 2:
-            return (x.stride(0), keep.stride(0), self.stride_tau, max(self.rows, 1), 0, 0)
-        return (x.stride(1), keep.stride(-2), self.stride_tau, max(x.shape[1], 1), x.stride(0),
-                keep.stride(0))  # fmt: skip
-
-
-def _prepare(logits, temperature, keep_mask, plan: ShardPlan) -> _Prepared:
-    x = logits if logits.stride(-1) == 1 else logits.contiguous()
-    if x.dtype == torch.bfloat16:
-        x = x.view(torch.int16)  # widened to fp32 by bit operations in the kernel
-    keep = x if keep_mask is None else _unit_stride(keep_mask).view(torch.uint8)
-    dev = logits.device
-    if isinstance(temperature, torch.Tensor):
-        tau = temperature.to(device=dev, dtype=torch.float32).contiguous()
-        stride_tau, has_tau = 1, True
-    elif temperature != 1.0:
-        # torch.full keeps the host from waiting on the device (no copy from host memory)
-        tau = torch.full((1,), temperature, dtype=torch.float32, device=dev)
-        stride_tau, has_tau = 0, True
-    else:  # a division by exactly 1.0 is the identity: the kernels skip it
-        tau, stride_tau, has_tau = x, 0, False
-    num_cols = logits.shape[-1]
-    n_real = num_cols
-    if plan.vocab_size is not None:
-        n_real = max(0, min(num_cols, plan.vocab_size - plan.vocab_start))
-    return _Prepared(x, keep, tau, stride_tau, has_tau, n_real, num_rows(logits))
-
-
-def _grad_temperature(temperature, prep: _Prepared) -> torch.Tensor:
-    """fp64 (N,) or (1,): y divides by tau rounded to fp32, the gradient by the float
-    itself, exactly as contract.scaled_logits and contract.grad_block do. Only backward
-    needs it, so forward never converts it."""
-    if isinstance(temperature, torch.Tensor):
-        return prep.tau.to(torch.float64)
-    if prep.has_tau:
-        return torch.full((1,), temperature, dtype=torch.float64, device=prep.tau.device)
-    return prep.tau  # a stand-in pointer: the kernel does not divide
-
-
-def _unit_stride(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
-def _target_programs(device: torch.device) -> int:
-    """How many programs a launch should have to fill the device (1 in the interpreter)."""
-    if device.type != "cuda":
-        return 1
-    return PROGRAMS_PER_SM * _sm_count(device.index)
-
-
-@functools.cache
-def _sm_count(index: int | None) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def _programs_per_row(num_rows: int, n_real: int, cfg: LaunchConfig, device) -> tuple[int, int]:
-    """(programs per row, columns per program): rows are split only when they are few."""
-    blocks = max(1, -(-n_real // cfg.block_v))
-    parts = min(blocks, max(1, -(-_target_programs(device) // max(num_rows, 1))))
-    per_program = -(-blocks // parts) * cfg.block_v
-    return -(-max(n_real, 1) // per_program), per_program
-
-
-def _common(prep: _Prepared, keep_mask, dtype: torch.dtype) -> dict:
+def _common(prep: Prepared, keep_mask, dtype: torch.dtype) -> dict:
     return dict(
         IS_BF16=dtype == torch.bfloat16,
         HAS_TAU=prep.has_tau,
@@ -172,29 +91,15 @@ def _launch_options(cfg: LaunchConfig) -> dict:
 # --- the three local passes ---
 
 
-def _on_device(fn):
-    """Launch on the device of the tensors: Triton launches on the current CUDA device, so
-    a call with tensors on cuda:1 while cuda:0 is current must switch (and switch back)."""
-
-    @functools.wraps(fn)
-    def launch_there(first, *args, **kwargs):
-        if first.device.type != "cuda":
-            return fn(first, *args, **kwargs)
-        with torch.cuda.device(first.device):
-            return fn(first, *args, **kwargs)
-
-    return launch_there
-
-
-@_on_device
+@on_device
 def row_max(logits, temperature, keep_mask, plan: ShardPlan, cfg=None):
     """Backend.row_max; `cfg` None means the dtype's fixed configuration (tests vary it)."""
     n = num_rows(logits)
     if n == 0 or logits.shape[-1] == 0:
         return torch.full((n,), float("-inf"), dtype=torch.float32, device=logits.device)
     cfg = cfg or CONFIGS[logits.dtype].max_pass
-    prep = _prepare(logits, temperature, keep_mask, plan)
-    parts, per_program = _programs_per_row(n, prep.n_real, cfg, logits.device)
+    prep = prepare(logits, temperature, keep_mask, plan)
+    parts, per_program = programs_per_row(n, prep.n_real, cfg, logits.device)
     out = torch.empty(n, parts, dtype=torch.float32, device=logits.device)
     kernels.row_max_kernel[(n, parts)](
         prep.x, prep.keep, prep.tau, out, *prep.row_args(), prep.n_real, per_program,
@@ -203,15 +108,15 @@ def row_max(logits, temperature, keep_mask, plan: ShardPlan, cfg=None):
     return out[:, 0] if parts == 1 else out.amax(dim=1)
 
 
-@_on_device
+@on_device
 def partials(logits, target, temperature, keep_mask, row_max_, plan, cfg=None):
     """Backend.partials; the programs sharing a row are summed exactly (int64)."""
     n = num_rows(logits)
     if n == 0 or logits.shape[-1] == 0:
         return torch.zeros(n, contract.NUM_COLS, dtype=torch.int64, device=logits.device)
     cfg = cfg or CONFIGS[logits.dtype].partials
-    prep = _prepare(logits, temperature, keep_mask, plan)
-    parts, per_program = _programs_per_row(n, prep.n_real, cfg, logits.device)
+    prep = prepare(logits, temperature, keep_mask, plan)
+    parts, per_program = programs_per_row(n, prep.n_real, cfg, logits.device)
     out = torch.empty(n, parts, contract.NUM_COLS, dtype=torch.int64, device=logits.device)
     kernels.partials_kernel[(n, parts)](
         prep.x, prep.keep, prep.tau, row_max_.to(torch.float32).contiguous(),
@@ -223,7 +128,7 @@ def partials(logits, target, temperature, keep_mask, row_max_, plan, cfg=None):
     return out[:, 0] if parts == 1 else out.sum(dim=1)
 
 
-@_on_device
+@on_device
 def grad(logits, target, temperature, keep_mask, stats: GradStats, plan: ShardPlan, cfg=None):
     """Backend.grad: one program per (row, block of columns), written as bit patterns."""
     n, num_cols = num_rows(logits), logits.shape[-1]
@@ -231,12 +136,12 @@ def grad(logits, target, temperature, keep_mask, stats: GradStats, plan: ShardPl
     if n == 0 or num_cols == 0:
         return out.view(logits.shape)
     cfg = cfg or CONFIGS[logits.dtype].grad
-    prep = _prepare(logits, temperature, keep_mask, plan)
+    prep = prepare(logits, temperature, keep_mask, plan)
     kind, bits_dtype = _GRAD_KIND[logits.dtype]
     f64 = lambda t: t.to(torch.float64).contiguous()  # noqa: E731
     grid = (n, -(-num_cols // cfg.block_v))
     kernels.grad_kernel[grid](
-        prep.x, prep.keep, prep.tau, _grad_temperature(temperature, prep),
+        prep.x, prep.keep, prep.tau, grad_temperature(temperature, prep),
         target.to(torch.int64).contiguous(),
         contract.exp2_table(logits.device), stats.row_max.to(torch.float32).contiguous(),
         f64(stats.s_hi), f64(stats.s_lo), f64(stats.log_s), f64(stats.entropy64),
@@ -252,7 +157,7 @@ def grad(logits, target, temperature, keep_mask, stats: GradStats, plan: ShardPl
 # --- 7. finalize ---
 
 
-@_on_device
+@on_device
 def finalize(
     row_max,
     record,
@@ -275,14 +180,14 @@ def finalize(
     )  # fmt: skip
     if n == 0:
         return out
-    record = _unit_stride(record)
+    record = unit_stride(record)
     has_bad_tau = bad_temperature is not None
-    bad_tau = _unit_stride(bad_temperature).view(torch.uint8) if has_bad_tau else target
+    bad_tau = unit_stride(bad_temperature).view(torch.uint8) if has_bad_tau else target
     has_disagree = ranks_disagree is not None
-    disagree = _unit_stride(ranks_disagree).view(torch.uint8) if has_disagree else target
+    disagree = unit_stride(ranks_disagree).view(torch.uint8) if has_disagree else target
     block_n = block_n or FINALIZE_BLOCK_N
     kernels.finalize_kernel[(-(-n // block_n),)](
-        _unit_stride(row_max), record, _unit_stride(target), bad_tau, disagree,
+        unit_stride(row_max), record, unit_stride(target), bad_tau, disagree,
         out.logprobs.view(torch.int32), out.entropy.view(torch.int32),
         out.lse.view(torch.int32), out.s_hi, out.s_lo, out.log_s, out.entropy64, out.bad,
         out.ignored.view(torch.uint8),
@@ -299,19 +204,11 @@ def finalize(
 # newer parts) takes the value tables for 16-bit rows of at least TABLE_MIN_COLS columns.
 FP64_RICH_CAPABILITIES = {(6, 0), (7, 0), (8, 0), (9, 0), (10, 0)}
 TABLE_MIN_COLS = 8192
-_TABLE_MODES = ("auto", "always", "never")
 # The exact LM head's integer GEMM (linear_contract L3): "fp64" is cuBLAS DGEMM over
 # K-chunks (linear_contract.float_exact_dot: every partial sum an integer below 2^53, exact
 # in any order); "int8" the nine int8 tensor-core GEMMs of linear_kernels.py. "auto": fp64
 # on FP64_RICH_CAPABILITIES, int8 elsewhere. The same integers either way.
 _GEMM_MODES = ("auto", "fp64", "int8")
-
-
-def _mode(option: str, value: str, modes: tuple[str, ...]) -> str:
-    """`value` if it is one of `modes`, else a ValueError naming `option`."""
-    if value not in modes:
-        raise ValueError(f"{option} must be one of {modes}, got {value!r}")
-    return value
 
 
 class TritonBackend(Backend):
@@ -326,12 +223,11 @@ class TritonBackend(Backend):
     name = "triton"
 
     def __init__(self, value_tables: str = "auto", exact_gemm: str = "auto"):
-        self.value_tables = _mode("value_tables", value_tables, _TABLE_MODES)
-        self.exact_gemm = _mode("exact_gemm", exact_gemm, _GEMM_MODES)
+        self.value_tables = check_mode("value_tables", value_tables, VALUE_TABLE_MODES)
+        self.exact_gemm = check_mode("exact_gemm", exact_gemm, _GEMM_MODES)
+        self._freeze(value_tables=value_tables, exact_gemm=exact_gemm)
 
     def uses_tables(self, logits, plan: ShardPlan) -> bool:
-        from . import value_tables
-
         if not value_tables.supports(logits.dtype) or self.value_tables == "never":
             return False
         if self.value_tables == "always":
@@ -363,7 +259,7 @@ class TritonBackend(Backend):
 
     def partials(self, logits, target, temperature, keep_mask, row_max_, plan):
         if self.uses_tables(logits, plan):
-            return _tables_on_device(logits, "sums")(
+            return _tableson_device(logits, "sums")(
                 logits, target, temperature, keep_mask, row_max_, plan
             )[1]
         return partials(logits, target, temperature, keep_mask, row_max_, plan)
@@ -371,7 +267,7 @@ class TritonBackend(Backend):
     def forward_unsharded(self, logits, target, temperature, keep_mask, plan):
         if not self.uses_tables(logits, plan):
             return super().forward_unsharded(logits, target, temperature, keep_mask, plan)
-        row_max, record = _tables_on_device(logits, "sums")(
+        row_max, record = _tableson_device(logits, "sums")(
             logits, target, temperature, keep_mask, None, plan
         )  # the max comes from the row's distinct values: one read of the logits less
         return self.finish_unsharded(row_max, record, target, temperature, plan)
@@ -386,16 +282,15 @@ class TritonBackend(Backend):
 
     def grad(self, logits, target, temperature, keep_mask, stats: GradStats, plan):
         if self.uses_tables(logits, plan):
-            return _tables_on_device(logits, "grad")(
+            return _tableson_device(logits, "grad")(
                 logits, target, temperature, keep_mask, stats, plan
             )
         return grad(logits, target, temperature, keep_mask, stats, plan)
 
     def gemm_path(self, device: torch.device) -> str:
         """How exact_dot computes on `device`, "fp64" or "int8" (see _GEMM_MODES)."""
-        mode = _mode("exact_gemm", self.exact_gemm, _GEMM_MODES)  # backend_option may set it
-        if mode != "auto":
-            return mode
+        if self.exact_gemm != "auto":
+            return self.exact_gemm
         rich = (device.type == "cuda"
                 and torch.cuda.get_device_capability(device) in FP64_RICH_CAPABILITIES)  # fmt: skip
         return "fp64" if rich else "int8"
@@ -409,11 +304,11 @@ class TritonBackend(Backend):
             return super().exact_dot(a, c)
         from . import linear_kernels
 
-        return _on_device(linear_kernels.exact_dot)(a, c)
+        return on_device(linear_kernels.exact_dot)(a, c)
 
 
-def _tables_on_device(logits, name: str):
+def _tableson_device(logits, name: str):
     """value_tables.<name>, launched under the logits' device."""
     from . import value_tables
 
-    return _on_device(getattr(value_tables, name))
+    return on_device(getattr(value_tables, name))

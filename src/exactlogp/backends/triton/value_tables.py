@@ -34,7 +34,7 @@ import triton.language as tl
 from ... import contract
 from ...contract import GradStats
 from ..base import ShardPlan, num_rows
-from . import kernels, launch
+from . import kernels
 from .kernels import (
     OUT_BF16,
     OUT_F16,
@@ -48,6 +48,7 @@ from .kernels import (
     _scaled,
     _terms,
 )
+from .prepare import LaunchConfig, grad_temperature, prepare, programs_per_row
 
 N_VALUES: tl.constexpr = tl.constexpr(1 << 16)
 GROUP_ROWS = 128  # rows whose tables are in flight at once (32 MiB of counts, 64 of lists)
@@ -386,8 +387,8 @@ def _scratch(rows: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
 def _count_and_list(prep, keep_mask, hist, lst, info, row_max, r0, g, write_max):
     """Steps 1 and 2 for rows [r0, r0 + g)."""
     device = prep.x.device
-    cfg = launch.LaunchConfig(COUNT_BLOCK, 8)
-    parts, per_program = launch._programs_per_row(g, prep.n_real, cfg, device)
+    cfg = LaunchConfig(COUNT_BLOCK, 8)
+    parts, per_program = programs_per_row(g, prep.n_real, cfg, device)
     x16 = prep.x.view(torch.int16)
     stride_x, stride_keep, stride_tau, rows_inner, sx_outer, sk_outer = prep.row_args()
     count_kernel[(g, parts)](
@@ -413,7 +414,7 @@ def sums(logits, target, temperature, keep_mask, row_max, plan: ShardPlan):
         row_max = torch.empty(n, dtype=torch.float32, device=device)
     if n == 0:
         return row_max, record.zero_()
-    prep = launch._prepare(logits, temperature, keep_mask, plan)
+    prep = prepare(logits, temperature, keep_mask, plan)
     row_max = row_max.to(torch.float32).contiguous()
     target = target.to(torch.int64).contiguous()
     hist, lst, info = _scratch(n, device)
@@ -438,8 +439,8 @@ def grad(logits, target, temperature, keep_mask, stats: GradStats, plan: ShardPl
     out = torch.empty(n, n_cols, dtype=logits.dtype, device=device)
     if n == 0 or n_cols == 0:
         return out.view(logits.shape)
-    prep = launch._prepare(logits, temperature, keep_mask, plan)
-    tau64 = launch._grad_temperature(temperature, prep)
+    prep = prepare(logits, temperature, keep_mask, plan)
+    tau64 = grad_temperature(temperature, prep)
     kind, nan_bits = _OUT[logits.dtype]
     f64 = lambda t: t.to(torch.float64).contiguous()  # noqa: E731
     row_stats = (

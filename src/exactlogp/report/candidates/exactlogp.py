@@ -16,13 +16,11 @@ Parameters, in "exactlogp[BACKEND,entropy,value_tables=MODE,validate=false,tempe
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
 from ...api import selected_logprobs
 from ...backends import get_backend
-from ...backends.base import value_tables_mode
+from ...backends.base import VALUE_TABLE_MODES, check_mode
 from .base import Candidate, ShardContext, Unavailable, round_up, temperature_param
 from .megatron import MEGATRON_PAD_MULTIPLE
 
@@ -47,7 +45,6 @@ class ExactlogpCandidate(Candidate):
     ):
         self.backend, self.with_entropy, self.value_tables = backend, with_entropy, value_tables
         self.validate, self.temperature = validate, temperature
-        self.device = torch.device("cpu")  # until build() names the shard's device
         params = [] if backend == "auto" else [backend]
         params += ["entropy"] if with_entropy else []
         params += [f"value_tables={value_tables}"] if value_tables else []
@@ -91,12 +88,7 @@ class ExactlogpCandidate(Candidate):
         if self.value_tables and not hasattr(impl, "value_tables"):
             raise Unavailable(f"backend {impl.name!r} has no value tables")
         if self.value_tables:
-            from ...backends.cpu import _TABLE_MODES
-
-            if self.value_tables not in _TABLE_MODES:
-                raise ValueError(
-                    f"value_tables must be one of {_TABLE_MODES}, got {self.value_tables!r}"
-                )
+            check_mode("value_tables", self.value_tables, VALUE_TABLE_MODES)
 
     def padded_vocab(self, vocab_size: int, tp: int) -> int:
         return round_up(vocab_size, MEGATRON_PAD_MULTIPLE * tp)
@@ -109,31 +101,29 @@ class ExactlogpCandidate(Candidate):
     def resolved_backend(self, device: torch.device) -> str:
         return get_backend(self.backend, device).name
 
-    def scope(self):
-        """The backend of the built shard's device in value-table mode `value_tables` (as it
-        is when None)."""
-        if not self.value_tables:
-            return contextlib.nullcontext()
-        return value_tables_mode(get_backend(self.backend, self.device), self.value_tables)
+    def backend_for(self, device: torch.device):
+        """The backend object of this row on `device`: value-table mode `value_tables`
+        (as it is when None)."""
+        impl = get_backend(self.backend, device)
+        return impl.with_options(value_tables=self.value_tables) if self.value_tables else impl
 
     def build(self, ctx: ShardContext):
-        self.device = ctx.device  # the backend whose value tables scope() sets
-        backend, with_entropy, validate = self.backend, self.with_entropy, self.validate
+        backend = self.backend_for(ctx.device)
+        with_entropy, validate = self.with_entropy, self.validate
         temperature = self.temperature
 
         def run(logits: torch.Tensor, target: torch.Tensor):
-            with self.scope():
-                res = selected_logprobs(
-                    logits,
-                    target,
-                    tp_group=ctx.group,
-                    vocab_start=ctx.vocab_start,
-                    vocab_size=ctx.vocab_size,
-                    backend=backend,
-                    with_entropy=with_entropy,
-                    validate=validate,
-                    temperature=temperature,
-                )
+            res = selected_logprobs(
+                logits,
+                target,
+                tp_group=ctx.group,
+                vocab_start=ctx.vocab_start,
+                vocab_size=ctx.vocab_size,
+                backend=backend,
+                with_entropy=with_entropy,
+                validate=validate,
+                temperature=temperature,
+            )
             return (res.logprobs, res.entropy) if with_entropy else res.logprobs
 
         return run

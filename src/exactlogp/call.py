@@ -1,0 +1,123 @@
+"""The call object: one call's checked arguments, built once and read by every layer below.
+
+    api.selected_logprobs / linear.linear_selected_logprobs
+      -> make_call(...)          this rank's argument checks, keyword-only, in the order a
+                                 user fixes them (inside agreement.checked, so that with a
+                                 TP group every rank raises when one rank's checks fail)
+      -> Call                    frozen: shapes, the shard, the Temperature, the options,
+                                 the resolved backend object, the agreement fields
+      -> autograd -> backends    take the call (or the parts of it a pass needs: the
+                                 ShardPlan, the Temperature) instead of parameter lists
+
+A function with options of its own extends the call (`replace(call, linear=...)`) rather
+than carrying them beside it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import agreement, contract, distributed, validation
+from .backends import Backend, ShardPlan, get_backend
+from .temperature import Temperature
+
+
+@dataclass(frozen=True)
+class LinearOptions:
+    """What the exact LM head adds to a call (linear.py)."""
+
+    logit_scale: float  # rounded to fp32
+    has_bias: bool
+
+
+@dataclass(frozen=True, eq=False)
+class Call:
+    """A call whose arguments passed this rank's checks."""
+
+    target_shape: tuple[int, ...]  # the caller's target shape; rows are its product
+    num_cols: int  # this rank's vocabulary columns
+    plan: ShardPlan  # what a backend pass needs of the shard and the options
+    temperature: Temperature  # scalar or (N,) fp32
+    has_keep_mask: bool
+    validate: bool
+    backend: Backend  # resolved for the input's device
+    group: distributed.Group
+    layout: agreement.Layout  # this rank's shard, for the agreement
+    fields: agreement.CallFields  # what every rank must pass alike
+    call_key: int  # fields.key() with a TP group (it rides the MAX), else 0
+    linear: LinearOptions | None = None  # linear_selected_logprobs
+
+    @property
+    def num_rows(self) -> int:
+        return self.fields.rows
+
+    @property
+    def with_entropy(self) -> bool:
+        return self.plan.with_entropy
+
+
+def make_call(
+    *,
+    source: torch.Tensor,
+    num_cols: int,
+    target,
+    group: distributed.Group,
+    vocab_start,
+    vocab_size,
+    temperature,
+    has_keep_mask: bool,
+    ignore_index,
+    with_entropy,
+    validate,
+    backend,
+    kind: int = agreement.KIND_LOGITS,
+    extra_fields: dict | None = None,
+    source_name: str = "vocab_parallel_logits",
+) -> Call:
+    """This rank's checks of the options every call shares, in the order a user fixes them.
+    `source` is the logits (or the hidden states) whose shape without its last dimension is
+    the rows'; `num_cols` this rank's vocabulary columns; `backend` a name or a Backend."""
+    validation.check_target(target, source, source_name)
+    tau = validation.check_temperature(temperature, target)
+    with_entropy = validation.check_bool("with_entropy", with_entropy)
+    validate = validation.check_bool("validate", validate)
+    ignore_index = validation.check_int("ignore_index", ignore_index)
+    vocab_start = validation.check_int("vocab_start", vocab_start, 0, validation.MAX_COLUMN)
+    vocab_size = validation.check_int("vocab_size", vocab_size, 1, contract.MAX_VOCAB)
+    start, given = validation.check_shard(num_cols, vocab_start, vocab_size, group.rank, group.size)
+    impl = get_backend(backend, source.device)
+
+    extra = {"contract": agreement.contract_key(contract.CONTRACT), **(extra_fields or {})}
+    fields = agreement.CallFields(
+        kind=kind,
+        rows=target.numel(),
+        vocab_size=-1 if vocab_size is None else vocab_size,
+        with_entropy=int(with_entropy),
+        ignore_index=ignore_index,
+        keep_mask=int(has_keep_mask),
+        temperature=tau.field(),
+        validate=int(validate),
+        **extra,
+    )
+    return Call(
+        target_shape=tuple(target.shape),
+        num_cols=num_cols,
+        plan=ShardPlan(start, vocab_size, ignore_index, with_entropy),
+        temperature=tau,
+        has_keep_mask=has_keep_mask,
+        validate=validate,
+        backend=impl,
+        group=group,
+        layout=agreement.Layout(start, num_cols, given),
+        fields=fields,
+        call_key=fields.key() if group.distributed else 0,
+    )
+
+
+def device_of(source, group: distributed.Group) -> torch.device:
+    """Where the agreement's tensor goes: the input's device, else the group's."""
+    if isinstance(source, torch.Tensor):
+        return source.device
+    return distributed.collective_device(group)
