@@ -28,8 +28,8 @@ test: setup
 	$(PY) -m pytest -q
 
 lint: setup
-	$(VENV)/bin/ruff check src tests examples
-	$(VENV)/bin/ruff format --check src tests examples
+	$(VENV)/bin/ruff check src tests examples benchmarks
+	$(VENV)/bin/ruff format --check src tests examples benchmarks
 
 # The conformance report with its embedded default workloads (the Qwen3-Next prior-art
 # one: 1024 tokens x 151936 vocab, bf16, TP 1 and 4, 10 repeats; and for the fused LM-head
@@ -47,8 +47,8 @@ demo: setup
 	$(PY) examples/train_rollout_parity.py $(DEMO_ARGS)
 
 format: setup
-	$(VENV)/bin/ruff format src tests examples
-	$(VENV)/bin/ruff check --fix src tests examples
+	$(VENV)/bin/ruff format src tests examples benchmarks
+	$(VENV)/bin/ruff check --fix src tests examples benchmarks
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache .ruff_cache
