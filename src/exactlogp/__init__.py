@@ -2,7 +2,12 @@
 
 from .api import LogprobResult, SelectedLogprobs, selected_logprobs
 from .contract import CONTRACT
-from .linear import LOGITS_CONTRACT, linear_logits, linear_selected_logprobs
+from .linear import (
+    LOGITS_CONTRACT,
+    gather_sequence_parallel,
+    linear_logits,
+    linear_selected_logprobs,
+)
 from .warmup import warmup
 
 __version__ = "0.1.0"
@@ -13,6 +18,7 @@ __all__ = [
     "LogprobResult",
     "SelectedLogprobs",
     "__version__",
+    "gather_sequence_parallel",
     "linear_logits",
     "linear_selected_logprobs",
     "selected_logprobs",
