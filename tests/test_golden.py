@@ -120,3 +120,64 @@ def test_golden_vectors(key, backend):
     (W_LP * out[0] + W_ENT * out[1] + W_LSE * out[2]).sum().backward()
     assert torch.isfinite(x.grad).all()
     assert (sha256(*out), sha256(x.grad)) == GOLDEN[key]
+
+
+# --- contract exactlogp-linear-v1: the exact LM head ---
+#
+# H = 1 holds -0 hidden states and -0 weights, so that single products are -0 and exact
+# zero dot products arise: the contract's logit of an exact 0 is +0 on every backend and
+# GEMM route. H = 5 mixes signed zeros with ordinary values (their sums are exact zeros
+# too: 3 - 3, -0 + 0). Pinned: the logits, the three outputs and the three gradients.
+LINEAR_GOLDEN = {
+    1: "05cca93b1c4edb8cd3115bf517c09eaa64d950eed13c5438bc24f6f5021e5414",
+    5: "c5fe462ba245ba008d34ef4ba3335fa690e5e5c9eacb388379f23ff5f99c6a54",
+}
+
+
+def linear_golden_inputs(hidden: int):
+    rng = random.Random(11 + hidden)
+    pick = [-0.0, 0.0, 0.0, 1.5, -2.0, 3.0, -3.0, 0.25]
+    h = torch.tensor([[rng.choice(pick) for _ in range(hidden)] for _ in range(6)])
+    w = torch.tensor([[rng.choice(pick) for _ in range(hidden)] for _ in range(9)])
+    h[0], w[0] = -0.0, 1.0  # a -0 product in every column of row 0
+    b = torch.tensor([rng.choice([-0.0, 0.0, 0.5]) for _ in range(9)])
+    t = torch.tensor([rng.randrange(9) for _ in range(6)])
+    return h, w, b, t
+
+
+def linear_backends():
+    """Every backend that loads here; Triton on both exact-GEMM routes."""
+    out = []
+    for name in backend_names():
+        try:
+            impl = get_backend(name, torch.device("cpu"))
+        except ValueError:
+            continue
+        if name == "triton":
+            out += [impl.with_options(exact_gemm="fp64"), impl.with_options(exact_gemm="int8")]
+        else:
+            out.append(impl)
+    return out
+
+
+def linear_outputs(hidden: int, backend):
+    h, w, b, t = linear_golden_inputs(hidden)
+    h, w, b = (x.requires_grad_(True) for x in (h, w, b))
+    z = exactlogp.linear_logits(h.detach(), w.detach(), b.detach(), backend=backend)
+    res = exactlogp.linear_selected_logprobs(
+        h, w, t, bias=b, with_entropy=True, logit_scale=0.5, backend=backend
+    )
+    (res.logprobs.sum() - 0.5 * res.entropy.sum() + 0.25 * res.lse.sum()).backward()
+    return z, (*res, h.grad, w.grad, b.grad)
+
+
+@pytest.mark.parametrize("hidden", list(LINEAR_GOLDEN))
+@pytest.mark.parametrize("backend", linear_backends(), ids=repr)
+def test_linear_golden_vectors(hidden, backend):
+    h, w, b, _ = linear_golden_inputs(hidden)
+    z, outs = linear_outputs(hidden, backend)
+    exact = (h.double() @ w.double().T + b.double()) * 0.5  # exact in fp64 at these values
+    zero = exact == 0
+    assert zero.any() and torch.equal(z[zero], exact[zero].float())
+    assert not torch.signbit(z[zero]).any(), "an exact zero logit must be +0"
+    assert sha256(z, *outs) == LINEAR_GOLDEN[hidden]

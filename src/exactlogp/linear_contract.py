@@ -89,7 +89,9 @@ def float_exact_dot(a: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     added in int64."""
     a, c = a.to(torch.float64), c.to(torch.float64)
     if a.shape[-1] <= K_CHUNK:
-        return a @ c.transpose(0, 1)
+        # + 0.0: an exact zero sum is +0 (exact_dot's integer 0), never the -0 an fp64
+        # GEMM gives for a single -0 product (H = 1, or all other terms 0); exact otherwise
+        return (a @ c.transpose(0, 1)).add_(0.0)
     out = None
     for k0 in range(0, a.shape[-1], K_CHUNK):
         part = (a[:, k0 : k0 + K_CHUNK] @ c[:, k0 : k0 + K_CHUNK].transpose(0, 1)).to(torch.int64)
