@@ -54,10 +54,12 @@ def test_the_benchmark_modules_run_at_tiny_sizes(tmp_path, capsys):
     """Two of the benchmarks that moved into exactlogp.bench, in this process, on tiny
     shapes: what is checked is that they run and write their tables, not their figures
     (the others spawn processes or compile, too slow for every test run)."""
-    from exactlogp.bench import cpu_value_tables, linear_accuracy
+    from exactlogp.bench import cpu_value_tables, linear_accuracy, row_hash
 
     assert linear_accuracy.main(["--rows", "3", "--vocab", "50", "--hidden", "8",
                                  "--out", str(tmp_path)]) == 0  # fmt: skip
     assert "| 8 | exactlogp |" in (tmp_path / "linear_accuracy.md").read_text()
     cpu_value_tables.main(["--vocab", "300", "--repeats", "1"])
     assert "| bfloat16 | 300 |" in capsys.readouterr().out
+    row_hash.main(["--tokens", "4", "--hidden", "8", "--vocab", "16", "--repeats", "1"])
+    assert "| row_hash(hidden) |" in capsys.readouterr().out

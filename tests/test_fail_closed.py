@@ -168,6 +168,12 @@ def argument_error_on_one_rank(rank, world, group, inputs):
     ).logprobs
 
 
+def requires_grad_differs(rank, world, group, inputs):
+    x, t = inputs
+    shard = even_shard(x, rank, world).clone().requires_grad_(rank == 0)
+    return exactlogp.selected_logprobs(shard, t, tp_group=group, vocab_size=VOCAB).logprobs
+
+
 def overlap_unvalidated(rank, world, group, inputs):
     return overlap(rank, world, group, inputs, validate=False)
 
@@ -195,7 +201,11 @@ CASES = {  # name -> (call, message every rank must raise, or None: every output
     "temperature": (temperature_differs, r"disagree on temperature \(rank 0: 0\.7, rank 1: 1\b"),
     "temperature_kind": (temperature_kind_differs, r"disagree on temperature \(rank 0: 1, "
                          r"rank 1: a per-row tensor\)"),
-    "row_temperature": (row_temperature_differs, r"disagree on the temperature of row\[3\] differs"),
+    "row_temperature": (row_temperature_differs, r"disagree on the temperature of row\[3\]: "
+                        r"every rank must pass the same rows"),
+    "requires_grad": (requires_grad_differs, r"disagree on which inputs require a gradient "
+                      r"\(rank 0: vocab_parallel_logits, rank 1: none\); every rank must "
+                      r"make the same inputs require a gradient"),
     "with_entropy": (with_entropy_differs, r"disagree on with_entropy \(rank 0: False, rank 1: True"),
     "ignore_index": (ignore_index_differs, r"disagree on ignore_index \(rank 0: -1, rank 1: -100"),
     "keep_mask": (keep_mask_differs, r"disagree on keep_mask \(rank 0: None, rank 1: a tensor"),
@@ -382,3 +392,40 @@ def test_field_values_are_shown_as_the_user_wrote_them():
     assert agreement._show("vocab_size", -1) == "None"
     assert agreement._show("kind", agreement.KIND_LINEAR) == "linear_selected_logprobs"
     assert math.isnan(float(agreement._show("temperature", contract.fp32_bits(math.nan))))
+
+
+def test_the_row_hash_sees_every_small_edit():
+    """agreement.row_hash (the fused head's hidden states, the backward's upstream
+    gradients): every one-bit flip, the +1 +1 -1 ulp edits that cancel in a weighted
+    checksum, swaps, and a row one element longer all change a row's 48 bits; rows differ
+    only where they were edited."""
+    from exactlogp.agreement import row_hash
+
+    gen = torch.Generator().manual_seed(5)
+    for dtype in (torch.bfloat16, torch.float32):
+        rows = torch.randn(3, 24, generator=gen).to(dtype)
+        base = row_hash(rows)
+        bits = rows.view({2: torch.int16, 4: torch.int32}[rows.element_size()])
+        edits = []
+        for k in range(24):  # every single-bit flip of row 1
+            for b in range(8 * rows.element_size()):
+                e = bits.clone()
+                e[1, k] ^= 1 << b if b < 8 * rows.element_size() - 1 else -(1 << b)
+                edits.append(e)
+        for i, j, m in ((0, 1, 2), (3, 5, 7), (20, 21, 22)):  # +1 +1 -1 ulp
+            e = bits.clone()
+            e[1, i] += 1
+            e[1, j] += 1
+            e[1, m] -= 1
+            edits.append(e)
+        for i, j in ((0, 1), (4, 19)):  # swaps
+            e = bits.clone()
+            e[1, [i, j]] = e[1, [j, i]]
+            edits.append(e)
+        for e in edits:
+            got = row_hash(e.view(dtype))
+            assert not torch.equal(got[:, 1], base[:, 1])
+            assert torch.equal(got[:, [0, 2]], base[:, [0, 2]])
+    a = torch.ones(1, 5, dtype=torch.bfloat16)
+    assert not torch.equal(row_hash(a), row_hash(torch.cat([a, torch.zeros_like(a[:, :1])], 1)))
+    assert row_hash(a).shape == (2, 1) and int(row_hash(a).max()) < 2**24

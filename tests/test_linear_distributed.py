@@ -117,6 +117,7 @@ def test_ranks_with_other_hidden_states_or_sizes_fail_closed():
         assert kind == "returned" and torch.isnan(value).all()
         kind, text = out["hidden_size"]
         assert kind == "raised" and "disagree on the hidden size (rank 0: 48, rank 1: 47)" in text
+        assert "every rank must pass the same hidden size" in text, text
 
 
 def sequence_parallel_worker(rank, world, group, inputs):

@@ -38,12 +38,23 @@ from . import contract, distributed
 KIND_LOGITS = 1  # selected_logprobs
 KIND_LINEAR = 2  # linear_selected_logprobs
 KIND_NAMES = {KIND_LOGITS: "selected_logprobs", KIND_LINEAR: "linear_selected_logprobs"}
+PHASE_FORWARD, PHASE_BACKWARD = 0, 1
+# the inputs whose requires_grad is bit i of CallFields.grads, per function
+GRAD_INPUTS = {KIND_LOGITS: ("vocab_parallel_logits",), KIND_LINEAR: ("hidden", "weight", "bias")}
+
+
+def grads_field(*tensors) -> int:
+    """CallFields.grads: bit i set when tensors[i] will get a gradient from this call."""
+    if not torch.is_grad_enabled():
+        return 0
+    return sum(1 << i for i, t in enumerate(tensors) if t is not None and t.requires_grad)
 
 
 @dataclass(frozen=True)
 class CallFields:
-    """The arguments every rank must pass alike, as int64 values."""
+    """The arguments every rank must pass alike, as int64 values (checked in this order)."""
 
+    phase: int = PHASE_FORWARD  # what the ranks are about to run: a call or its backward
     kind: int = KIND_LOGITS
     contract: int = 0  # 48-bit key of the contract version string(s)
     rows: int = 0
@@ -57,6 +68,7 @@ class CallFields:
     hidden_dtype: int = 0  # linear_selected_logprobs: dtype code of hidden
     logit_scale: int = 0  # linear_selected_logprobs: fp32 bits of logit_scale
     bias: int = 0  # linear_selected_logprobs: 1 when a bias was passed
+    grads: int = 0  # which inputs require a gradient (GRAD_INPUTS bits of the function)
 
     def values(self) -> tuple[int, ...]:
         """The fields in order (dataclasses.astuple without its deep copies)."""
@@ -82,8 +94,13 @@ def contract_key(*versions: str) -> int:
     return int.from_bytes(hashlib.sha256("\0".join(versions).encode()).digest()[:6], "little")
 
 
-def _show(name: str, value: int) -> str:
-    """A field's value as the user wrote it."""
+def _show(name: str, value: int, kind: int = KIND_LOGITS) -> str:
+    """A field's value as the user wrote it (`kind`: the rank's function, for grads)."""
+    if name == "phase":
+        return {PHASE_FORWARD: "a call", PHASE_BACKWARD: "a backward"}.get(value, str(value))
+    if name == "grads":
+        names = [n for i, n in enumerate(GRAD_INPUTS.get(kind, ())) if value >> i & 1]
+        return ", ".join(names) if names else "none"
     if name == "kind":
         return KIND_NAMES.get(value, str(value))
     if name in ("temperature", "logit_scale"):
@@ -109,6 +126,8 @@ _FIELD_TEXT = {
     "rows": "the number of rows",
     "hidden": "the hidden size",
     "hidden_dtype": "the dtype of hidden and weight",
+    "grads": "which inputs require a gradient",
+    "phase": "what runs now",
 }
 
 
@@ -212,11 +231,22 @@ def agree(
     for i, name in enumerate(FIELD_NAMES):
         values = [row[_HEAD + i] for row in table]
         if len(set(values)) > 1:
-            per_rank = ", ".join(f"{names[r]}: {_show(name, v)}" for r, v in enumerate(values))
+            kinds = [row[_HEAD + FIELD_NAMES.index("kind")] for row in table]
+            per_rank = ", ".join(
+                f"{names[r]}: {_show(name, v, kinds[r])}" for r, v in enumerate(values)
+            )
             what = _FIELD_TEXT.get(name, name)
+            must = f"pass the same {what.removeprefix('the ')}"
+            if name == "grads":
+                must = "make the same inputs require a gradient (requires_grad, no_grad)"
+            if name == "phase":  # a call paired with another call's backward
+                must = (
+                    "run its calls and their backwards in the same order (threads that "
+                    "share a group may interleave them differently on different ranks: give "
+                    "each thread its own group)"
+                )
             raise ValueError(
-                f"the ranks of tp_group disagree on {what} ({per_rank}); every rank must "
-                f"pass the same {what}"
+                f"the ranks of tp_group disagree on {what} ({per_rank}); every rank must {must}"
             )
     starts = [row[_LAYOUT] for row in table]
     widths = [row[_LAYOUT + 1] for row in table]
@@ -305,7 +335,58 @@ class RankCheck(NamedTuple):
 
 
 # what each per-row value is, for the messages (the extra rows: linear_selected_logprobs)
-ROW_FIELD_NAMES = ("target", "temperature", "temperature", "hidden states")
+ROW_FIELD_NAMES = ("target", "temperature", "temperature", "hidden states", "hidden states")
+
+# --- a strong hash of each row's bits, for the per-row values ---
+#
+# A row is read as 32-bit words (two 16-bit elements, or one 32-bit element, per word).
+# Each word plus a value of its position k goes through a 32-bit finalizer (xor-shifts and
+# multiplications by odd constants: a bijection of the 32-bit words); the row's first field
+# is the sum of those words modulo 2^32, its second the sum of another mix of them. The sum
+# makes it one pass over the row in any order; the finalizer makes it a hash of every
+# element's bits and place (a checksum such as sum(u_k w_k) lets a few +-1 edits cancel,
+# this does not). 24 bits of each field ride the MAX: a difference is missed with
+# probability about 2^-48. Every intermediate is a non-negative integer below 2^63: exact
+# in int64 on every device.
+_SEED, _C1, _C2, _C3 = 0x9E3779B1, 0x7FEB352D, 0x1B873593, 0x27D4EB2F
+HASH_FIELDS = 2
+_HASH_BITS = 24  # per field: exact in the fp32 all_reduce(MAX)
+HASH_CHUNK_WORDS = 1 << 22  # int64 temporaries per pass: at most 32 MiB each
+_WORD = 0xFFFFFFFF
+
+
+def _words(block: torch.Tensor) -> torch.Tensor:
+    """(n, W) int64 in [0, 2^32): the rows' bits as 32-bit words (16-bit elements in
+    pairs, the last one alone when the row length is odd)."""
+    if block.element_size() == 4:
+        return block.view(torch.int32).to(torch.int64) & _WORD
+    u = block.view(torch.int16).to(torch.int64) & 0xFFFF
+    if u.shape[-1] % 2:
+        u = torch.cat([u, torch.zeros_like(u[:, :1])], dim=-1)  # position k says it is odd
+    return u[:, 0::2] | (u[:, 1::2] << 16)
+
+
+def row_hash(rows: torch.Tensor) -> torch.Tensor:
+    """(HASH_FIELDS, N) int64 below 2^24: a strong hash of the bits of each row of `rows`
+    ((N, K), any 16- or 32-bit dtype), position by position. Row blocks keep the
+    temporaries small; nothing is synced with the host."""
+    n, k = rows.shape[0], rows.shape[-1]
+    out = torch.empty(HASH_FIELDS, n, dtype=torch.int64, device=rows.device)
+    step = max(1, HASH_CHUNK_WORDS * (4 // rows.element_size()) // max(k, 1))
+    mask = (1 << _HASH_BITS) - 1
+    for r0 in range(0, n, step):
+        words = _words(rows[r0 : r0 + step].contiguous())
+        pos = torch.arange(words.shape[-1], dtype=torch.int64, device=rows.device)
+        x = (words + pos * _SEED + k) & _WORD  # pos * seed < 2^54; k: the row length
+        x = x ^ (x >> 16)
+        x = (x * _C1) & _WORD
+        x = x ^ (x >> 15)
+        x = (x * _C2) & _WORD
+        x = x ^ (x >> 16)
+        out[0, r0 : r0 + step] = x.sum(-1) & mask  # each x < 2^32: the sum < 2^54
+        y = (x * _C3) & _WORD
+        out[1, r0 : r0 + step] = (y ^ (y >> 13)).sum(-1) & mask
+    return out
 
 
 def _row_values(target: torch.Tensor, temperature) -> torch.Tensor:

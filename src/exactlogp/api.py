@@ -95,8 +95,9 @@ def _logits_call(*, logits, keep_mask, **options) -> Call:
     validation.check_logits(logits)
     validation.check_keep_mask(keep_mask, logits)
     return make_call(
-        source=logits, num_cols=logits.shape[-1], has_keep_mask=keep_mask is not None, **options
-    )
+        source=logits, num_cols=logits.shape[-1], has_keep_mask=keep_mask is not None,
+        grads=agreement.grads_field(logits), **options,
+    )  # fmt: skip
 
 
 def shaped_result(call: Call, logprobs, entropy, lse) -> LogprobResult:

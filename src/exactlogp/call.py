@@ -72,13 +72,15 @@ def make_call(
     with_entropy,
     validate,
     backend,
+    grads: int = 0,
     kind: int = agreement.KIND_LOGITS,
     extra_fields: dict | None = None,
     source_name: str = "vocab_parallel_logits",
 ) -> Call:
     """This rank's checks of the options every call shares, in the order a user fixes them.
     `source` is the logits (or the hidden states) whose shape without its last dimension is
-    the rows'; `num_cols` this rank's vocabulary columns; `backend` a name or a Backend."""
+    the rows'; `num_cols` this rank's vocabulary columns; `backend` a name or a Backend;
+    `grads` which inputs require a gradient (agreement.grads_field)."""
     validation.check_target(target, source, source_name)
     tau = validation.check_temperature(temperature, target)
     with_entropy = validation.check_bool("with_entropy", with_entropy)
@@ -99,6 +101,7 @@ def make_call(
         keep_mask=int(has_keep_mask),
         temperature=tau.field(),
         validate=int(validate),
+        grads=grads,
         **extra,
     )
     return Call(

@@ -102,15 +102,6 @@ def _logits(hidden, w: _Weight) -> torch.Tensor:
     return out
 
 
-def hidden_fingerprint(hidden: torch.Tensor) -> torch.Tensor:
-    """(1, N) integers below 2^23: a checksum of each row's bits, riding the all_reduce(MAX)
-    so that ranks handed different hidden states find out."""
-    bits = hidden.contiguous().view({2: torch.int16, 4: torch.int32}[hidden.element_size()])
-    u = bits.to(torch.int64) & 0xFFFFFFFF
-    k = torch.arange(hidden.shape[-1], device=hidden.device) % 8191 + 1
-    return ((u % 8191) * k).sum(-1).remainder(8388593).unsqueeze(0)
-
-
 # --- the autograd functions ---
 
 
@@ -143,7 +134,8 @@ class LinearSelectedLogprobsFunction(torch.autograd.Function):
     def forward(ctx, hidden, weight, bias, target, call: Call):
         w = _Weight(weight, bias, call.linear.logit_scale, call.backend)
         n = hidden.shape[0]
-        fingerprint = hidden_fingerprint(hidden) if call.group.distributed else None
+        # a strong hash of each row's bits rides the MAX: ranks with other hidden states fail
+        hashes = agreement.row_hash(hidden) if call.group.distributed else None
         per_pass = max(1, LOGITS_BUDGET // (4 * max(weight.shape[0], 1) * ROW_BLOCK)) * ROW_BLOCK
         parts = []
         for p0 in range(0, n, per_pass):  # one pass over the weight for up to per_pass rows
@@ -151,19 +143,22 @@ class LinearSelectedLogprobsFunction(torch.autograd.Function):
             for r0 in range(p0, min(n, p0 + per_pass), ROW_BLOCK):  # the same on every rank
                 rows = slice(r0, min(n, r0 + ROW_BLOCK))
                 tau = call.temperature.take(rows)
-                fields = None if fingerprint is None else fingerprint[:, rows]
+                fields = None if hashes is None else hashes[:, rows]
                 block = logits[r0 - p0 : rows.stop - p0]
                 parts.append(forward_pipeline(block, target[rows], tau, None, call, fields))
             del logits, block  # before the next pass allocates its own
         forward = _combine(parts, n, hidden.device)
         if call.validate:
             validate_rows(forward, target, call)
-        ctx.call = call
+        ctx.call, ctx.hashes = call, hashes
+        ctx.poisoned = None if forward.ranks is None else _HostFlag(forward.ranks.poison)
         return save_forward(ctx, (hidden, weight, bias, target), forward)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, g_logprobs, g_entropy, g_lse):
+        g_ent = g_entropy if ctx.call.with_entropy else torch.zeros_like(g_logprobs)
+        upstream = torch.stack([g_logprobs, g_ent, g_lse], dim=-1).to(torch.float32)
         inputs, stats, tau = saved_grad_stats(ctx, (g_logprobs, g_entropy, g_lse))
         hidden, weight, bias, target = inputs
         call = ctx.call
@@ -183,12 +178,91 @@ class LinearSelectedLogprobsFunction(torch.autograd.Function):
             g = dlogits(rows, c)
             grads.weight_block(rows, g)
             grads.track(rows, g)
-        if not grads.needs_hidden:
+        if not grads.needs_hidden:  # no collective: nothing the ranks must pair
             return None, grads.dw, grads.db, None, None
-        big = grads.grid(call.group)
-        for rows, c in w.blocks(block):  # pass 2
-            grads.hidden_block(rows, c, dlogits(rows, c), big)
-        return grads.hidden(big, call.group), grads.dw, grads.db, None, None
+        group = call.group
+        if not group.distributed:
+            big = grads.grid()
+            for rows, c in w.blocks(block):  # pass 2
+                grads.hidden_block(rows, c, dlogits(rows, c), big)
+            return grads.hidden(big), grads.dw, grads.db, None, None
+        # the backward's collectives, under the group's lock as the forward's are
+        with distributed.serialized(group):
+            if ctx.poisoned:  # the forward failed closed on every rank: no collective here
+                grads.disagree = torch.ones((), dtype=torch.bool, device=hidden.device)
+                dh = grads.poison(torch.empty_like(hidden))
+                return dh, grads.poison(grads.dw), grads.poison(grads.db), None, None
+            rows_check = torch.cat([target.unsqueeze(0), ctx.hashes, agreement.row_hash(upstream)])
+            big = grads.grid(group, BackwardCheck(call, rows_check))
+            for rows, c in w.blocks(block):  # pass 2
+                grads.hidden_block(rows, c, dlogits(rows, c), big)
+            dh = grads.hidden(big, group)
+        return grads.poison(dh), grads.poison(grads.dw), grads.poison(grads.db), None, None
+
+
+class _HostFlag:
+    """`any()` of a device bool tensor, read on the host later without waiting then: the
+    copy is queued now, and reading waits only for the work queued before it."""
+
+    def __init__(self, t: torch.Tensor):
+        self.host = t.reshape(-1).to("cpu", non_blocking=True)
+        self.event = None
+        if t.device.type == "cuda":
+            self.event = torch.cuda.Event()
+            self.event.record()
+
+    def __bool__(self) -> bool:
+        if self.event is not None:
+            self.event.synchronize()
+        return bool(self.host.any())
+
+
+class BackwardCheck:
+    """What the ranks' backwards of one call must share, riding the backward's MAX: the
+    call's key and, per row, the target, the hidden states' hash and the upstream
+    gradients' hash (agreement.row_hash of (dL/dlogprob, dL/dentropy, dL/dlse))."""
+
+    FIELDS = ("target", "hidden states", "hidden states", "upstream gradient",
+              "upstream gradient")  # fmt: skip
+
+    def __init__(self, call: Call, rows: torch.Tensor):
+        self.call, self.rows = call, rows.to(torch.int64)  # (len(FIELDS), N)
+
+    def header(self, group: distributed.Group) -> None:
+        """validate=True: the forward's fixed-size agreement all_gather first, marked as a
+        backward, so that a backward paired with another call (or with a forward, by
+        threads sharing the group) raises on every rank before any collective sized by
+        the call."""
+        fields = replace(self.call.fields, phase=agreement.PHASE_BACKWARD)
+        agreement.agree(group, fields, self.call.layout, None, self.rows.device)
+
+    def payload(self) -> torch.Tensor:
+        key = torch.full((1,), self.call.call_key, dtype=torch.int64, device=self.rows.device)
+        return torch.cat([self.rows.reshape(-1), -self.rows.reshape(-1), key, -key])
+
+    def read(self, reduced: torch.Tensor) -> torch.Tensor:
+        """() bool on the device: any value differed between ranks. validate=True: raises
+        on every rank (one host sync) naming the first row and value that differ."""
+        k, n = self.rows.shape
+        hi, neg = reduced[: k * n].view(k, n), reduced[k * n : 2 * k * n].view(k, n)
+        differs = hi != -neg
+        key_differs = reduced[-2] != -reduced[-1]
+        disagree = differs.any() | key_differs
+        if self.call.validate and bool(disagree):
+            if bool(key_differs):
+                raise ValueError(self._message("the call (its key)"))
+            field, row = (int(i) for i in torch.nonzero(differs)[0])
+            raise ValueError(self._message(f"the {self.FIELDS[field]} of row {row}"))
+        return disagree
+
+    @staticmethod
+    def _message(what: str) -> str:
+        return (
+            f"the ranks of tp_group disagree in the backward of linear_selected_logprobs on "
+            f"{what}: every rank must backpropagate the same loss through the same call, "
+            "in the same order (did a rank scale or mask its loss differently, or run its "
+            "backwards in another order?)"
+        )
 
 
 def _grad_block(num_rows: int) -> int:
@@ -235,19 +309,32 @@ class _Grads:
         top = lc.hidden_grad_terms(g, self.w.f[rows]).abs().amax(-1)
         self.row_max = torch.maximum(self.row_max, top)  # NaN propagates
 
-    def grid(self, group: distributed.Group | None = None) -> torch.Tensor:
+    def grid(self, group: distributed.Group | None = None, check=None) -> torch.Tensor:
         """(N,) int64 G_n: 2^(G_n - 1) <= max over the whole vocabulary (all ranks) < 2^G_n;
-        a row with nothing anywhere gets 0, a non-finite one is marked bad. One
-        all_reduce(MAX)."""
+        a row with nothing anywhere gets 0, a non-finite one is marked bad. With a group:
+        one all_reduce(MAX), which also carries `check` (a BackwardCheck)."""
         bad = ~torch.isfinite(self.row_max)
         top = torch.where(bad, 0.0, self.row_max)
         _, e = torch.frexp(top)
         none = -(1 << 40)
+        n = top.shape[0]
         packed = torch.stack([torch.where(top > 0, e.to(torch.int64), none), bad.to(torch.int64)])
+        self.disagree = None
         if group is not None:
+            if check.call.validate:
+                check.header(group)
+            packed = torch.cat([packed.reshape(-1), check.payload()])
             distributed.all_reduce_max_(packed, group)
+            self.disagree = check.read(packed[2 * n :])
+            packed = packed[: 2 * n].view(2, n)
         self.row_bad = packed[1] != 0
         return torch.where(packed[0] == none, 0, packed[0])
+
+    def poison(self, grad: torch.Tensor | None) -> torch.Tensor | None:
+        """`grad` with NaN everywhere when the ranks' backwards disagreed (no host sync)."""
+        if grad is None or self.disagree is None:
+            return grad
+        return grad.masked_fill(self.disagree, float("nan"))
 
     def hidden_block(self, rows: slice, c: torch.Tensor, g: torch.Tensor, big) -> None:
         """Adds this block's two slices of sum_v D[n, v] C[v, k] (a NaN row of g spoils
@@ -384,8 +471,8 @@ def _linear_call(*, hidden, weight, bias, logit_scale, **options) -> Call:
     scale = validation.check_linear(hidden, weight, bias, logit_scale)
     call = make_call(
         source=hidden, num_cols=weight.shape[0], has_keep_mask=False,
-        kind=agreement.KIND_LINEAR, extra_fields=_linear_fields(hidden, bias, scale),
-        source_name="hidden", **options,
+        grads=agreement.grads_field(hidden, weight, bias), kind=agreement.KIND_LINEAR,
+        extra_fields=_linear_fields(hidden, bias, scale), source_name="hidden", **options,
     )  # fmt: skip
     return replace(call, linear=LinearOptions(scale, bias is not None))
 

@@ -273,8 +273,7 @@ def _ranks_message(check, shape: tuple[int, ...]) -> str:
         what = (
             f"target{_index(r, shape)} is {hi} on some ranks and {lo} on others"
             if field == "target"
-            else f"the {field} of row{_index(r, shape)} differ"
-            + ("s" if field == "temperature" else "")
+            else f"the {field} of row{_index(r, shape)}"
         )
         return (
             f"the ranks of tp_group disagree on {what}: every rank must pass the same rows, "
