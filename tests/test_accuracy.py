@@ -173,3 +173,23 @@ def test_lse_near_zero_has_an_absolute_not_a_relative_bound():
     err = abs(res.lse.item() - exact)
     assert err <= 2.0**-52 * abs(m) + 2.0**-49 * math.log(vocab) + vocab * 2.0**-85
     assert err / float(ulp32(torch.tensor(exact))) > 1000  # measured: ~6949 ulp
+
+
+def test_a_near_certain_logprob_has_an_absolute_bound_on_a_full_vocabulary():
+    """logprob -1e-15 on a 151936-token row (target logit 0, the rest fl32(-46.47)): the
+    absolute part of the bound, V 2^-85 ~ 4e-21, is tens of fp32 ulps there, and the
+    value is within it, not within an ulp (docs/numerics.md section 8: measured 25 ulp)."""
+    import mpmath
+
+    vocab = 151936
+    x = torch.full((1, vocab), -46.47)
+    x[0, 0] = 0.0
+    res = selected_logprobs(x, torch.tensor([0]))
+    with mpmath.workdps(60):
+        exact = -mpmath.log(1 + (vocab - 1) * mpmath.exp(mpmath.mpf(float(x[0, 1]))))
+    exact = float(exact)
+    err = abs(res.logprobs.item() - exact)
+    tail = (vocab - 1) * math.exp(float(x[0, 1]))  # S - 1
+    rho = 2.0**-53 * tail * -float(x[0, 1]) + 2.0**-51 * tail + vocab * 2.0**-85
+    assert err <= 0.5 * float(ulp32(torch.tensor(exact))) + 2.0**-49 * abs(exact) + rho
+    assert err / float(ulp32(torch.tensor(exact))) > 10  # the absolute part shows

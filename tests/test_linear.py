@@ -7,6 +7,7 @@ GEMM and fp64 log-softmax of the same inputs. Multi-rank worlds: test_linear_dis
 import random
 from fractions import Fraction
 
+import numpy as np
 import pytest
 import torch
 
@@ -254,3 +255,50 @@ def test_bad_arguments_name_the_argument():
         call(h, w, t[:3])
     with pytest.raises(TypeError, match="hidden must be bfloat16, float16 or float32"):
         call(h.double(), w.double(), t)
+    with pytest.raises(ValueError, match=r"hidden has a hidden size of 0 \(shape \(4, 0\)\)"):
+        call(h[:, :0], w[:, :0], t)
+    with pytest.raises(ValueError, match=r"hidden has a hidden size of 0"):
+        exactlogp.linear_logits(h[:, :0], w[:, :0])
+    meta = torch.empty(4, 16, dtype=torch.bfloat16, device="meta")
+    with pytest.raises(ValueError, match=r"hidden is a meta tensor \(shape \(4, 16\), no values\)"):
+        call(meta, w.to("meta"), t.to("meta"))
+    with pytest.raises(ValueError, match=r"vocab_parallel_logits is a meta tensor"):
+        exactlogp.selected_logprobs(torch.empty(4, 9, device="meta"), t.to("meta"))
+
+
+def test_the_heads_errors_name_its_own_logits():
+    """The fused head has no vocab_parallel_logits argument: its row and shard errors name
+    its logits, hidden @ weight.T."""
+    h, w, t = lm_head_inputs(4, 16, 50, torch.float32, seed=11)
+    call = exactlogp.linear_selected_logprobs
+    bad = t.clone()
+    bad[2] = 50
+    with pytest.raises(ValueError, match=r"target\[2\] = 50 is not a column of the logits "
+                       r"hidden @ weight\.T, which holds the whole vocabulary \[0, 50\)"):  # fmt: skip
+        call(h, w, bad)
+    with pytest.raises(ValueError, match=r"vocab_size=60 is larger than the 50 columns of the "
+                       r"logits hidden @ weight\.T"):  # fmt: skip
+        call(h, w, t, vocab_size=60)
+    nan = h.clone()
+    nan[1, 3] = float("nan")
+    with pytest.raises(ValueError, match=r"the logits hidden @ weight\.T row\[1\] has 50 NaN"):
+        call(nan, w, t)
+
+
+@pytest.mark.parametrize("hidden", [256, 2048])
+def test_fp32_logits_are_within_the_documented_bound(hidden):
+    """fp32 hidden states and weights (section 12 of docs/numerics.md): every logit is within
+    0.5 ulp + 2^-20 (max|h_n| ||W_v||_1 + max|W_v| ||h_n||_1) + H 2^-38 max|h_n| max|W_v| of
+    the exact dot product (the fp64 reference's own error, H 2^-53 sum |h||W|, added)."""
+    h, w, _ = lm_head_inputs(16, hidden, 500, torch.float32, seed=7)
+    z = exactlogp.linear_logits(h, w).double()
+    hd, wd = h.double(), w.double()
+    exact = hd @ wd.T
+    max_h, max_w = hd.abs().amax(-1, keepdim=True), wd.abs().amax(-1).unsqueeze(0)
+    l1_h, l1_w = hd.abs().sum(-1, keepdim=True), wd.abs().sum(-1).unsqueeze(0)
+    ulp = torch.from_numpy(np.spacing(z.float().abs().numpy())).double()
+    bound = (0.5 * ulp + 2.0**-20 * (max_h * l1_w + max_w * l1_h)
+             + hidden * 2.0**-38 * max_h * max_w + hidden * 2.0**-53 * (hd.abs() @ wd.abs().T))  # fmt: skip
+    err = (z - exact).abs()
+    assert (err <= bound).all(), float((err - bound).max())
+    assert float(err.max()) > 0  # not all exact: the bound is what is tested

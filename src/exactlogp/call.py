@@ -48,6 +48,7 @@ class Call:
     fields: agreement.CallFields  # what every rank must pass alike
     call_key: int  # fields.key() with a TP group (it rides the MAX), else 0
     linear: LinearOptions | None = None  # linear_selected_logprobs
+    logits_name: str = "vocab_parallel_logits"  # what the messages call the logits
 
     @property
     def num_rows(self) -> int:
@@ -76,11 +77,13 @@ def make_call(
     kind: int = agreement.KIND_LOGITS,
     extra_fields: dict | None = None,
     source_name: str = "vocab_parallel_logits",
+    logits_name: str = "vocab_parallel_logits",
 ) -> Call:
     """This rank's checks of the options every call shares, in the order a user fixes them.
     `source` is the logits (or the hidden states) whose shape without its last dimension is
     the rows'; `num_cols` this rank's vocabulary columns; `backend` a name or a Backend;
-    `grads` which inputs require a gradient (agreement.grads_field)."""
+    `grads` which inputs require a gradient (agreement.grads_field); `source_name` and
+    `logits_name` what the messages call the source and the logits."""
     validation.check_target(target, source, source_name)
     tau = validation.check_temperature(temperature, target)
     with_entropy = validation.check_bool("with_entropy", with_entropy)
@@ -88,7 +91,9 @@ def make_call(
     ignore_index = validation.check_int("ignore_index", ignore_index)
     vocab_start = validation.check_int("vocab_start", vocab_start, 0, validation.MAX_COLUMN)
     vocab_size = validation.check_int("vocab_size", vocab_size, 1, contract.MAX_VOCAB)
-    start, given = validation.check_shard(num_cols, vocab_start, vocab_size, group.rank, group.size)
+    start, given = validation.check_shard(
+        num_cols, vocab_start, vocab_size, group.rank, group.size, logits_name
+    )
     impl = get_backend(backend, source.device)
 
     extra = {"contract": agreement.contract_key(contract.CONTRACT), **(extra_fields or {})}
@@ -116,6 +121,7 @@ def make_call(
         layout=agreement.Layout(start, num_cols, given),
         fields=fields,
         call_key=fields.key() if group.distributed else 0,
+        logits_name=logits_name,
     )
 
 

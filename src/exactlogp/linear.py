@@ -472,7 +472,8 @@ def _linear_call(*, hidden, weight, bias, logit_scale, **options) -> Call:
     call = make_call(
         source=hidden, num_cols=weight.shape[0], has_keep_mask=False,
         grads=agreement.grads_field(hidden, weight, bias), kind=agreement.KIND_LINEAR,
-        extra_fields=_linear_fields(hidden, bias, scale), source_name="hidden", **options,
+        extra_fields=_linear_fields(hidden, bias, scale), source_name="hidden",
+        logits_name="the logits hidden @ weight.T", **options,
     )  # fmt: skip
     return replace(call, linear=LinearOptions(scale, bias is not None))
 

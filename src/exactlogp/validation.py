@@ -24,6 +24,15 @@ INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 MAX_COLUMN = 1 << 24
 
 
+def check_real(name: str, t: torch.Tensor) -> None:
+    """Values, not only shapes: a meta tensor has none to compute with."""
+    if t.device.type == "meta":
+        raise ValueError(
+            f"{name} is a meta tensor (shape {tuple(t.shape)}, no values): exactlogp computes "
+            "values; pass tensors on a real device"
+        )
+
+
 def check_logits(logits) -> None:
     if not isinstance(logits, torch.Tensor):
         raise TypeError(
@@ -35,6 +44,7 @@ def check_logits(logits) -> None:
         )
     if logits.dim() < 1:
         raise ValueError("vocab_parallel_logits must have a vocabulary dimension, got a 0-d tensor")
+    check_real("vocab_parallel_logits", logits)
 
 
 def check_target(target, source: torch.Tensor, name: str = "vocab_parallel_logits") -> None:
@@ -116,7 +126,14 @@ def check_linear(hidden, weight, bias, logit_scale) -> float:
         raise ValueError(f"weight must be (V_local, H), got shape {tuple(weight.shape)}")
     if weight.dtype != hidden.dtype:
         raise TypeError(f"weight dtype {weight.dtype} must equal hidden dtype {hidden.dtype}")
+    check_real("hidden", hidden)
+    check_real("weight", weight)
     h = hidden.shape[-1]
+    if h == 0:
+        raise ValueError(
+            f"hidden has a hidden size of 0 (shape {tuple(hidden.shape)}): the logits are dot "
+            "products over H >= 1 values"
+        )
     if weight.shape[1] != h:
         raise ValueError(
             f"weight shape {tuple(weight.shape)} must be (V_local, H) with H = {h}, the last "
@@ -171,14 +188,19 @@ def check_bool(name: str, value) -> bool:
 
 
 def check_shard(
-    num_cols: int, vocab_start: int | None, vocab_size: int | None, rank: int, world: int
+    num_cols: int,
+    vocab_start: int | None,
+    vocab_size: int | None,
+    rank: int,
+    world: int,
+    logits_name: str = "vocab_parallel_logits",
 ) -> tuple[int, bool]:
     """(this shard's vocab_start, whether it was given). Without a TP group the logits hold
     the whole vocabulary, so vocab_start must be 0 and vocab_size fit in the columns; with
     one, the agreement checks that the shards of all ranks tile the vocabulary."""
     if num_cols > MAX_COLUMN:
         raise ValueError(
-            f"vocab_parallel_logits has {num_cols} columns; at most 2^24 = {MAX_COLUMN} are "
+            f"{logits_name} has {num_cols} columns; at most 2^24 = {MAX_COLUMN} are "
             "supported"
         )
     if world == 1:
@@ -191,7 +213,7 @@ def check_shard(
         if vocab_size is not None and vocab_size > num_cols:
             raise ValueError(
                 f"vocab_size={vocab_size} is larger than the {num_cols} columns of "
-                "vocab_parallel_logits, and there is no tensor-parallel group to hold the "
+                f"{logits_name}, and there is no tensor-parallel group to hold the "
                 "rest: pass tp_group for a vocab shard, or the real vocabulary size"
             )
         check_vocab_extent(vocab_size, num_cols)
@@ -229,12 +251,12 @@ _MESSAGES = (  # flag, message; the first flag set on the first bad row is repor
     (contract.BAD_TARGET_MASKED, "target{idx} = {t} is a column that keep_mask drops"),
     (
         contract.BAD_NONFINITE,
-        "vocab_parallel_logits row{idx} has {nonfinite} NaN or +inf value(s) (after the "
+        "{logits} row{idx} has {nonfinite} NaN or +inf value(s) (after the "
         "temperature) in real, kept columns",
     ),
     (
         contract.BAD_NO_VALID_COLUMN,
-        "vocab_parallel_logits row{idx} has no valid column: every real, kept column is -inf",
+        "{logits} row{idx} has no valid column: every real, kept column is -inf",
     ),
 )
 
@@ -248,7 +270,7 @@ def _owner_message(idx: str, t: int, owners: int, call) -> str:
     world = call.group.size
     if world == 1:
         return (
-            f"target{idx} = {t} is not a column of vocab_parallel_logits, which holds the "
+            f"target{idx} = {t} is not a column of {call.logits_name}, which holds the "
             f"whole vocabulary [0, {call.num_cols}) (there is no tensor-parallel group)"
         )
     if owners == 0:
@@ -305,6 +327,7 @@ def raise_for_bad_rows(
         tau=call.temperature.at(row),
         vocab="end of the last shard" if vocab_size is None else vocab_size,
         ignore=call.plan.ignore_index,
+        logits=call.logits_name,
         nonfinite=int(record[row, contract.COL_NONFINITE]),
     )
     for flag, message in _MESSAGES:
