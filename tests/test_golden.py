@@ -154,7 +154,7 @@ def linear_backends():
         except ValueError:
             continue
         if name == "triton":
-            out += [impl.with_options(exact_gemm="fp64"), impl.with_options(exact_gemm="int8")]
+            out += [impl.with_options(exact_gemm=m) for m in ("fp64", "int8", "int8_mm")]
         else:
             out.append(impl)
     return out

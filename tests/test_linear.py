@@ -302,3 +302,24 @@ def test_fp32_logits_are_within_the_documented_bound(hidden):
     err = (z - exact).abs()
     assert (err <= bound).all(), float((err - bound).max())
     assert float(err.max()) > 0  # not all exact: the bound is what is tested
+
+
+def test_five_diagonal_int8_gemms_give_the_exact_integers(monkeypatch):
+    """linear_contract.diagonal_exact_dot (the int8 tensor-core route: five int8 GEMMs with
+    int32 accumulation, torch._int_mm) equals exact_dot's int64 arithmetic: operands at
+    +-2^20, one-row and one-column shapes, and K split into chunks (a small chunk here, so
+    that the split and its int64 sum run)."""
+    gen = torch.Generator().manual_seed(8)
+    top = 1 << 20
+    for m, p, k in ((1, 3, 1), (3, 5, 7), (17, 9, 64), (20, 31, 200)):
+        a = torch.randint(-top, top + 1, (m, k), generator=gen).double()
+        c = torch.randint(-top, top + 1, (p, k), generator=gen).double()
+        a[0], c[0] = -top, -top  # the largest products, all of one sign
+        a3, c3 = lc.diagonal_layout(a, reverse=True), lc.diagonal_layout(c, reverse=False)
+        assert a3.dtype == torch.int8 and a3.shape == (m, 3 * k)
+        assert torch.equal(lc.diagonal_exact_dot(a3, c3), lc.exact_dot(a, c)), (m, p, k)
+    monkeypatch.setattr(lc, "DIAGONAL_MAX_K", 8)
+    a = torch.randint(-top, top + 1, (5, 29), generator=gen).double()
+    c = torch.randint(-top, top + 1, (6, 29), generator=gen).double()
+    a3, c3 = lc.diagonal_layout(a, reverse=True), lc.diagonal_layout(c, reverse=False)
+    assert torch.equal(lc.diagonal_exact_dot(a3, c3), lc.exact_dot(a, c))

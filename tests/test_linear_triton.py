@@ -62,15 +62,16 @@ def test_exact_dot_takes_the_path_its_option_names(monkeypatch):
         return lambda a, c: calls.append(name) or lc.exact_dot(a.cpu(), c.cpu()).to(a.device)
 
     monkeypatch.setattr(linear_kernels, "exact_dot", spy("int8"))
+    monkeypatch.setattr(linear_kernels, "diagonal_dot", spy("int8_mm"))
     monkeypatch.setattr(lc, "float_exact_dot", spy("fp64"))
     a = torch.ones(2, 3, dtype=torch.float64, device=DEVICE)
-    for mode in ("int8", "fp64"):
+    for mode in ("int8", "fp64", "int8_mm"):
         assert torch.equal(TritonBackend(exact_gemm=mode).exact_dot(a, a).cpu(),
                            torch.full((2, 2), 3, dtype=torch.int64))  # fmt: skip
-    assert calls == ["int8", "fp64"]
+    assert calls == ["int8", "fp64", "int8_mm"]
 
 
-@pytest.mark.parametrize("gemm", ["int8", "fp64"])
+@pytest.mark.parametrize("gemm", ["int8", "fp64", "int8_mm"])
 def test_fused_head_gives_the_reference_bits_forward_and_backward(gemm):
     h, w, t = lm_head_inputs(9, 40, 90, torch.bfloat16, seed=3)
     t[2] = -100

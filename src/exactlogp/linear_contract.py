@@ -99,6 +99,66 @@ def float_exact_dot(a: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     return out
 
 
+# --- L3 on int8 tensor cores: five diagonal GEMMs with int32 accumulation ---
+#
+# Every operand is an integer with |x| <= 2^20: in balanced base 128 it is three int8
+# slices, x = x2 2^14 + x1 2^7 + x0 (x0, x1 in [-64, 63], x2 in [-64, 64]), so
+#
+#     Z = sum_k a_k c_k = sum_{s=0..4} 2^(7 s) D_s,   D_s = sum_{i+j=s} sum_k a_{i,k} c_{j,k}
+#
+# Each diagonal D_s is one int8 GEMM over the concatenation of its slice pairs along K
+# (K' = K, 2K, 3K, 2K, K): with the hidden slices laid out reversed, [a2 | a1 | a0], and the
+# weight's in order, [c0 | c1 | c2], diagonal s is the GEMM of the column windows
+# A[:, (2 - min(s, 2)) K : (3 - max(s - 2, 0)) K] and C[:, max(s - 2, 0) K : (min(s, 2) + 1) K].
+# Every product of two slices is at most 2^12 in magnitude, so an int32 accumulator of
+# K' <= 3K products is exact in any order while 3K 2^12 < 2^31, i.e. K < 174763: K is
+# split into chunks of DIAGONAL_MAX_K and the chunks' Z are added in int64.
+DIAGONAL_MAX_K = 1 << 17
+
+
+def int8_slices(x: torch.Tensor) -> torch.Tensor:
+    """(3, R, K) int8 balanced base-128 slices of integer-valued x (R, K), |x| <= 2^20."""
+    v = x.to(torch.int64)
+    out = []
+    for _ in range(2):
+        low = ((v + 64) & 127) - 64  # in [-64, 63]
+        out.append(low)
+        v = (v - low) >> 7  # exact: v - low is a multiple of 128
+    out.append(v)  # in [-64, 64]
+    return torch.stack(out).to(torch.int8).contiguous()
+
+
+def diagonal_layout(x: torch.Tensor, reverse: bool) -> torch.Tensor:
+    """(R, 3K) int8: x's slices side by side along K, [x0 | x1 | x2] (the weight's layout)
+    or reversed, [x2 | x1 | x0] (the hidden states')."""
+    s = int8_slices(x)
+    return torch.cat(list(s.flip(0) if reverse else s), dim=-1)
+
+
+def diagonal_exact_dot(a3: torch.Tensor, c3: torch.Tensor, int_mm=None) -> torch.Tensor:
+    """(M, P) int64 = exact_dot(a, c) from a3 = diagonal_layout(a, reverse=True) and
+    c3 = diagonal_layout(c, reverse=False), as five int8 GEMMs with int32 accumulation
+    (`int_mm`, default torch._int_mm: cuBLASLt on CUDA, a CPU kernel here), K chunked."""
+    int_mm = int_mm or torch._int_mm
+    k = a3.shape[-1] // 3
+    if k > DIAGONAL_MAX_K:
+        parts = [slice(i, min(i + DIAGONAL_MAX_K, k)) for i in range(0, k, DIAGONAL_MAX_K)]
+        return sum(diagonal_exact_dot(_k_part(a3, k, p), _k_part(c3, k, p), int_mm) for p in parts)
+    z = None
+    for s in range(5):
+        lo_a, hi_a = (2 - min(s, 2)) * k, (3 - max(s - 2, 0)) * k
+        lo_c, hi_c = max(s - 2, 0) * k, (min(s, 2) + 1) * k
+        d = int_mm(a3[:, lo_a:hi_a].contiguous(), c3[:, lo_c:hi_c].t().contiguous())
+        d = d.to(torch.int64) << (7 * s)  # |D_s| 2^(7 s) <= 3 K 2^40: far inside int64
+        z = d if z is None else z.add_(d)
+    return z
+
+
+def _k_part(x3: torch.Tensor, k: int, part: slice) -> torch.Tensor:
+    """The columns of K-chunk `part` of each of the three slices of a diagonal layout."""
+    return torch.cat([x3[:, i * k + part.start : i * k + part.stop] for i in range(3)], dim=-1)
+
+
 # --- L4. one rounding of an exact integer times a power of two ---
 
 

@@ -200,8 +200,7 @@ def check_shard(
     one, the agreement checks that the shards of all ranks tile the vocabulary."""
     if num_cols > MAX_COLUMN:
         raise ValueError(
-            f"{logits_name} has {num_cols} columns; at most 2^24 = {MAX_COLUMN} are "
-            "supported"
+            f"{logits_name} has {num_cols} columns; at most 2^24 = {MAX_COLUMN} are supported"
         )
     if world == 1:
         if vocab_start not in (None, 0):

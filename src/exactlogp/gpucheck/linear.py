@@ -26,7 +26,7 @@ from ..report import candidates, measure
 from ..testing import bit_pattern, compare_bits, lm_head_inputs
 
 QWEN3_NEXT_HIDDEN = 2048
-GEMM_PATHS = ("fp64", "int8")  # TritonBackend's exact_gemm modes
+GEMM_PATHS = ("fp64", "int8", "int8_mm")  # TritonBackend's exact_gemm modes
 
 
 def gemm_backend(device: torch.device, mode: str):

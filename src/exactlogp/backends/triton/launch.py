@@ -206,9 +206,11 @@ FP64_RICH_CAPABILITIES = {(6, 0), (7, 0), (8, 0), (9, 0), (10, 0)}
 TABLE_MIN_COLS = 8192
 # The exact LM head's integer GEMM (linear_contract L3): "fp64" is cuBLAS DGEMM over
 # K-chunks (linear_contract.float_exact_dot: every partial sum an integer below 2^53, exact
-# in any order); "int8" the nine int8 tensor-core GEMMs of linear_kernels.py. "auto": fp64
-# on FP64_RICH_CAPABILITIES, int8 elsewhere. The same integers either way.
-_GEMM_MODES = ("auto", "fp64", "int8")
+# in any order); "int8" the nine int8 tensor-core GEMMs of linear_kernels.py; "int8_mm" the
+# five diagonal int8 GEMMs of linear_contract.diagonal_exact_dot through torch._int_mm
+# (cuBLASLt). "auto": fp64 on FP64_RICH_CAPABILITIES, int8 elsewhere ("int8_mm" is not yet
+# measured on a GPU, so "auto" never takes it). The same integers on every route.
+_GEMM_MODES = ("auto", "fp64", "int8", "int8_mm")
 
 
 class TritonBackend(Backend):
@@ -216,8 +218,8 @@ class TritonBackend(Backend):
 
     `value_tables`: "auto" (16-bit rows of at least TABLE_MIN_COLS columns on GPUs outside
     FP64_RICH_CAPABILITIES), "always" (16-bit rows) or "never"; `exact_gemm`: the exact
-    LM head's integer GEMM, "auto" (fp64 on FP64_RICH_CAPABILITIES, else int8), "fp64" or
-    "int8". Both are speed choices only: every mode gives the same bits (value_tables.py,
+    LM head's integer GEMM, "auto" (fp64 on FP64_RICH_CAPABILITIES, else int8), "fp64",
+    "int8" or "int8_mm" (_GEMM_MODES). Both are speed choices only: every mode gives the same bits (value_tables.py,
     linear_kernels.py)."""
 
     name = "triton"
@@ -288,7 +290,7 @@ class TritonBackend(Backend):
         return grad(logits, target, temperature, keep_mask, stats, plan)
 
     def gemm_path(self, device: torch.device) -> str:
-        """How exact_dot computes on `device`, "fp64" or "int8" (see _GEMM_MODES)."""
+        """How exact_dot computes on `device`: "fp64", "int8" or "int8_mm" (_GEMM_MODES)."""
         if self.exact_gemm != "auto":
             return self.exact_gemm
         rich = (device.type == "cuda"
@@ -304,6 +306,8 @@ class TritonBackend(Backend):
             return super().exact_dot(a, c)
         from . import linear_kernels
 
+        if self.gemm_path(a.device) == "int8_mm":
+            return on_device(linear_kernels.diagonal_dot)(a, c)
         return on_device(linear_kernels.exact_dot)(a, c)
 
 

@@ -19,6 +19,9 @@ import torch
 import triton
 import triton.language as tl
 
+from ... import linear_contract
+from ...linear_contract import int8_slices
+
 BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, 64
 MAX_K = 1 << 17  # three products of at most 2^12 per k stay below 2^31 in int32
 
@@ -75,18 +78,6 @@ def exact_dot_kernel(
     tl.store(z_ptr + m64[:, None] * P + n64[None, :], z, mask=mask)
 
 
-def int8_slices(x: torch.Tensor) -> torch.Tensor:
-    """(3, R, K) int8 balanced base-128 slices of integer-valued x (R, K), |x| <= 2^20."""
-    v = x.to(torch.int64)
-    out = []
-    for _ in range(2):
-        low = ((v + 64) & 127) - 64  # in [-64, 63]
-        out.append(low)
-        v = (v - low) >> 7  # exact: v - low is a multiple of 128
-    out.append(v)  # in [-64, 64]
-    return torch.stack(out).to(torch.int8).contiguous()
-
-
 def exact_dot(a: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     """(M, P) int64 = a @ c^T exactly, for integer-valued a (M, K), c (P, K), |.| <= 2^20."""
     m, k = a.shape
@@ -102,3 +93,25 @@ def exact_dot(a: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
     )  # fmt: skip
     return out
+
+
+def diagonal_dot(a: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """(M, P) int64 = a @ c^T exactly, as linear_contract.diagonal_exact_dot: five int8
+    GEMMs with int32 accumulation through torch._int_mm (cuBLASLt on a GPU)."""
+    a3 = linear_contract.diagonal_layout(a, reverse=True)
+    c3 = linear_contract.diagonal_layout(c, reverse=False)
+    return linear_contract.diagonal_exact_dot(a3, c3, _int_mm)
+
+
+def _int_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """torch._int_mm(a (M, K), b (K, N)) -> int32, zero-padded where CUDA's cuBLASLt route
+    needs it (M > 16, K and N multiples of 8): zero rows and columns add nothing."""
+    if a.device.type != "cuda":
+        return torch._int_mm(a, b)
+    m, k = a.shape
+    n = b.shape[1]
+    pm, pk, pn = max(17, m), -(-k // 8) * 8, -(-n // 8) * 8
+    if (pm, pk, pn) != (m, k, n):
+        a = torch.nn.functional.pad(a, (0, pk - k, 0, pm - m))
+        b = torch.nn.functional.pad(b, (0, pn - n, 0, pk - k))
+    return torch._int_mm(a, b)[:m, :n]
