@@ -86,6 +86,16 @@ def swapped_hidden(rank, world, group, inputs):
     return res.logprobs
 
 
+def another_function_on_one_rank(rank, world, group, inputs):
+    """Rank 1 computes the same logprobs as selected_logprobs(linear_logits(...))."""
+    h, w, t = inputs
+    if rank == 0:
+        res, _, _ = forward(h, shard(w, rank, world), t, group)
+        return res.logprobs
+    logits = exactlogp.linear_logits(h, shard(w, rank, world))
+    return exactlogp.selected_logprobs(logits, t, tp_group=group, vocab_size=VOCAB).logprobs
+
+
 def requires_grad_on_one_rank(rank, world, group, inputs, validate):
     h, w, t = inputs
     res, hh, ww = forward(h, shard(w, rank, world), t, group, validate=validate,
@@ -154,6 +164,7 @@ CASES = {
     "cancelling_hidden": lambda *a: cancelling_hidden(*a, validate=True),
     "cancelling_hidden_unvalidated": lambda *a: cancelling_hidden(*a, validate=False),
     "swapped_hidden": swapped_hidden,
+    "another_function": another_function_on_one_rank,
     "requires_grad": lambda *a: requires_grad_on_one_rank(*a, validate=True),
     "requires_grad_unvalidated": lambda *a: requires_grad_on_one_rank(*a, validate=False),
     "scaled_loss": lambda *a: scaled_loss_on_one_rank(*a, validate=True),
@@ -199,6 +210,8 @@ def test_the_fused_head_fails_closed_forward_and_backward():
         case("cancelling_hidden", "raised", "disagree on the hidden states of row[3]")
         assert torch.isnan(case("cancelling_hidden_unvalidated", "returned")).all()
         case("swapped_hidden", "raised", "disagree on the hidden states of row[5]")
+        case("another_function", "raised", "disagree on the function called (rank 0: "
+             "linear_selected_logprobs, rank 1: selected_logprobs)")  # fmt: skip
         case("requires_grad", "raised", "disagree on which inputs require a gradient",
              "rank 0: hidden, weight, rank 1: weight")  # fmt: skip
         lp, dh, dw = case("requires_grad_unvalidated", "returned")
