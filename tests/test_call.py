@@ -206,3 +206,46 @@ def test_two_threads_with_different_options_each_run_their_own():
         assert all(thread == threads[id(impl)] and mode == impl.value_tables
                    for thread, _, mode in mine)  # fmt: skip
     assert [o.value_tables for o in objects] == ["never", "always"]
+
+
+def test_calls_with_the_same_static_arguments_are_checked_once(monkeypatch):
+    """A loop's repeated call reuses its checked Call; any change of what the checks read
+    (shape, dtype, requires_grad, grad mode, an option, its type, the backend object)
+    builds and checks a new one; failed checks are never kept; per-row temperatures are
+    not kept."""
+    from exactlogp import call as call_module
+
+    built = []
+    real = call_module.make_call
+    monkeypatch.setattr(
+        exactlogp.api, "make_call", lambda **kw: built.append(kw) or real(**kw)
+    )  # the name api's builder calls
+    monkeypatch.setattr(call_module, "_calls", {})
+    x, t = _inputs(4)
+    run = exactlogp.selected_logprobs
+    first = run(x, t, temperature=0.5)
+    _same(run(x, t, temperature=0.5), first)
+    assert len(built) == 1
+    variants = [
+        lambda: run(x.float(), t, temperature=0.5),
+        lambda: run(x[:2], t[:2], temperature=0.5),
+        lambda: run(x.clone().requires_grad_(True), t, temperature=0.5),
+        lambda: run(x, t, temperature=0.25),
+        lambda: run(x, t, temperature=1),  # an int: checked as such
+        lambda: run(x, t, temperature=0.5, with_entropy=True),
+        lambda: run(x, t, temperature=0.5, backend=ReferenceBackend()),
+        lambda: run(x, t, temperature=0.5, validate=False),
+    ]
+    for i, variant in enumerate(variants):
+        variant()
+        assert len(built) == i + 2, i
+    with torch.no_grad():  # grad mode is read too (which inputs require a gradient)
+        run(x.clone().requires_grad_(True), t, temperature=0.5)
+    assert len(built) == len(variants) + 2
+    for _ in range(2):  # a failed check raises every time
+        with pytest.raises(ValueError, match="temperature must be finite and > 0"):
+            run(x, t, temperature=-1.0)
+    per_row = torch.full(t.shape, 0.5)
+    run(x, t, temperature=per_row)
+    run(x, t, temperature=per_row)
+    assert len(built) == len(variants) + 6

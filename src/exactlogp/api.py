@@ -14,7 +14,7 @@ import torch
 from . import agreement, autograd, distributed, validation
 from .backends import Backend
 from .backends.base import row_view
-from .call import Call, device_of, make_call
+from .call import Call, cached, device_of, make_call, static_key, tensor_key
 
 
 class LogprobResult(NamedTuple):
@@ -90,14 +90,28 @@ def selected_logprobs(
     return shaped_result(call, *outputs)
 
 
-def _logits_call(*, logits, keep_mask, **options) -> Call:
-    """selected_logprobs' call: the logits and the keep mask, then the shared checks."""
-    validation.check_logits(logits)
-    validation.check_keep_mask(keep_mask, logits)
-    return make_call(
-        source=logits, num_cols=logits.shape[-1], has_keep_mask=keep_mask is not None,
-        grads=agreement.grads_field(logits), **options,
+# the options every check reads besides the tensors: the key of a kept call
+_STATIC = ("group", "vocab_start", "vocab_size", "temperature", "ignore_index",
+           "with_entropy", "validate", "backend")  # fmt: skip
+
+
+def _logits_call(*, logits, keep_mask, target, **options) -> Call:
+    """selected_logprobs' call: the logits and the keep mask, then the shared checks;
+    kept for the next call with the same static arguments (call.cached)."""
+
+    def build() -> Call:
+        validation.check_logits(logits)
+        validation.check_keep_mask(keep_mask, logits)
+        return make_call(
+            source=logits, num_cols=logits.shape[-1], has_keep_mask=keep_mask is not None,
+            grads=agreement.grads_field(logits), target=target, **options,
+        )  # fmt: skip
+
+    key = static_key(
+        "selected_logprobs", tensor_key(logits), tensor_key(target), tensor_key(keep_mask),
+        *(options[k] for k in _STATIC),
     )  # fmt: skip
+    return cached(key, build)
 
 
 def shaped_result(call: Call, logprobs, entropy, lse) -> LogprobResult:

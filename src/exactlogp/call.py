@@ -125,6 +125,61 @@ def make_call(
     )
 
 
+# --- calls whose static arguments repeat: checked once ---
+#
+# A training or decode loop calls with the same shapes, dtypes and options every step.
+# Every check of make_call reads only those, so the Call built for them is built again
+# from them alone: it is kept, keyed by exactly what the checks read (types included, so
+# that True and 1 stay apart), and only when they passed. Tensors are keyed by type, shape,
+# dtype, device and requires_grad, never by identity or values; per-row temperatures are
+# tensors, so such calls are not kept. The key holds the group and backend objects, so a
+# kept call never outlives them.
+CALL_CACHE_SIZE = 64
+_calls: dict = {}
+
+
+_NOT_PLAIN = object()
+
+
+def tensor_key(t):
+    """What the checks read of a tensor argument (None stays None); a marker that keeps
+    the call out of the cache for anything but a plain tensor."""
+    if t is None:
+        return None
+    if type(t) is not torch.Tensor:
+        return _NOT_PLAIN
+    return ("tensor", t.shape, t.dtype, t.device, t.requires_grad)
+
+
+def static_key(*parts) -> tuple | None:
+    """The cache key of a call's static arguments and grad mode, or None when one of them
+    is not plain: a tensor that is no plain tensor, or a value of another type than None,
+    bool, int, float, str, a tensor key, a Backend or a Group (a tensor temperature, say)."""
+    key = [torch.is_grad_enabled(), contract.CONTRACT]  # the contract: what a call checks
+    for part in parts:
+        plain = part is None or type(part) in (bool, int, float, str, tuple)
+        if part is _NOT_PLAIN or not (plain or isinstance(part, (Backend, distributed.Group))):
+            return None
+        key.append((type(part), part))
+    return tuple(key)
+
+
+def cached(key: tuple | None, build):
+    """The kept Call for `key`, else build() (kept when key is not None)."""
+    if key is None:
+        return build()
+    try:
+        found = _calls.get(key)
+    except TypeError:  # an unhashable group handle
+        return build()
+    if found is None:
+        found = build()
+        if len(_calls) >= CALL_CACHE_SIZE:
+            _calls.pop(next(iter(_calls)), None)  # the oldest
+        _calls[key] = found
+    return found
+
+
 def device_of(source, group: distributed.Group) -> torch.device:
     """Where the agreement's tensor goes: the input's device, else the group's."""
     if isinstance(source, torch.Tensor):

@@ -210,14 +210,15 @@ class CpuBackend(Backend):
     def _rows(n: int, row_max: torch.Tensor | None = None, record: torch.Tensor | None = None):
         """(elp_rows, Finalized) over fresh per-row tensors; row_max and record are the
         given ones (finalize reads them) or fresh (the fused forward writes them)."""
-        empty = functools.partial(torch.empty, n)
-        stats = torch.empty(4, n, dtype=torch.float64)  # saved for backward, never returned
+        f32 = functools.partial(torch.empty, n, dtype=torch.float32)  # outputs: their own
+        # the statistics saved for backward (never returned) in one allocation
+        s_hi, s_lo, log_s, entropy64 = torch.empty(4, n, dtype=torch.float64).unbind(0)
         fin = contract.Finalized(
-            logprobs=empty(dtype=torch.float32), entropy=empty(dtype=torch.float32),
-            lse=empty(dtype=torch.float32), s_hi=stats[0], s_lo=stats[1], log_s=stats[2],
-            entropy64=stats[3], bad=empty(dtype=torch.int64), ignored=empty(dtype=torch.bool),
+            logprobs=f32(), entropy=f32(), lse=f32(), s_hi=s_hi, s_lo=s_lo, log_s=log_s,
+            entropy64=entropy64, bad=torch.empty(n, dtype=torch.int64),
+            ignored=torch.empty(n, dtype=torch.bool),
         )  # fmt: skip
-        row_max = empty(dtype=torch.float32) if row_max is None else row_max
+        row_max = f32() if row_max is None else row_max
         if record is None:
             record = torch.empty(n, contract.NUM_COLS, dtype=torch.int64)
         tensors = (row_max, record, *fin)
