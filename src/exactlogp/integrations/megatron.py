@@ -131,6 +131,7 @@ def _batch_invariant_mode() -> bool:
 _RL_UTILS = "megatron.rl.rl_utils"
 
 
+@_patching.atomic
 def patch_megatron(*, vocab_size: int | None = None) -> _patching.PatchHandle:
     """Make megatron-core's models (and Megatron-LM's RL loop) use exactlogp.
 
@@ -174,6 +175,7 @@ def patch_megatron(*, vocab_size: int | None = None) -> _patching.PatchHandle:
     return _patching.apply(PATCH_KEY, sites, {"vocab_size": vocab_size})
 
 
+@_patching.atomic
 def unpatch_megatron() -> bool:
     """Restore megatron-core's own functions; False if `patch_megatron` was not applied."""
     return _patching.undo(PATCH_KEY)

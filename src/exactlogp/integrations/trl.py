@@ -428,6 +428,7 @@ def _router_aux_loss(model, text_config, states, attention_mask):
 # --- patching TRL ---
 
 
+@_patching.atomic
 def patch_trl(*, out_dtype: torch.dtype | None = None) -> _patching.PatchHandle:
     """Make TRL compute its log-probabilities and entropies with exactlogp.
 
@@ -457,6 +458,7 @@ def patch_trl(*, out_dtype: torch.dtype | None = None) -> _patching.PatchHandle:
     return _patching.apply(PATCH_KEY, sites, {"out_dtype": out_dtype})
 
 
+@_patching.atomic
 def unpatch_trl() -> bool:
     """Restore TRL's own functions; False if `patch_trl` was not applied."""
     return _patching.undo(PATCH_KEY)

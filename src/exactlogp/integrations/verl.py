@@ -220,6 +220,7 @@ _ENGINES = (
 )
 
 
+@_patching.atomic
 def patch_verl(*, vocab_size: int | None = None) -> _patching.PatchHandle:
     """Make verl 0.9's engines compute log-probs and entropy with exactlogp.
 
@@ -273,6 +274,7 @@ def patch_verl(*, vocab_size: int | None = None) -> _patching.PatchHandle:
     return _patching.apply(PATCH_KEY, sites, {"vocab_size": vocab_size})
 
 
+@_patching.atomic
 def unpatch_verl() -> bool:
     """Restore verl's own functions; False if `patch_verl` was not applied."""
     return _patching.undo(PATCH_KEY)
