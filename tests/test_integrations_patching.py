@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 import random
+import re
 import sys
 import threading
 import types
@@ -18,7 +19,7 @@ import types
 import pytest
 
 import exactlogp
-from exactlogp.integrations import _patching, megatron, sglang, trl
+from exactlogp.integrations import _patching, autopatch, megatron, sglang, trl
 from integration_stubs import drop_stub_modules, install_megatron, use_stub_package
 
 THREADS = 8
@@ -183,3 +184,78 @@ def _key(package: str) -> str:
     return {"trl": trl.PATCH_KEY, "megatron": megatron.PATCH_KEY, "sglang": sglang.PATCH_KEY}[
         package
     ]
+
+
+# --- EXACTLOGP_PATCH / EXACTLOGP_VOCAB_SIZE ---
+
+
+@pytest.fixture
+def env(monkeypatch):
+    """TRL and a megatron-core stand-in loaded, vLLM missing, both variables cleared; every
+    patch undone afterwards."""
+    _trl_host(monkeypatch)
+    install_megatron(monkeypatch)
+    for name in [k for k in sys.modules if k == "vllm" or k.startswith("vllm.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "vllm", None)  # `import vllm` raises ImportError
+    monkeypatch.delenv(autopatch.ENV, raising=False)
+    monkeypatch.delenv(autopatch.VOCAB_ENV, raising=False)
+    before = {package: _bindings(package) for package in ("trl", "megatron")}
+    try:
+        yield before
+    finally:
+        trl.unpatch_trl()
+        megatron.unpatch_megatron()
+
+
+def test_a_failed_host_undoes_the_patches_applied_before_it(env, monkeypatch):
+    monkeypatch.setenv(autopatch.ENV, "trl, megatron, vllm")
+    with pytest.raises(
+        ImportError,
+        match=r"EXACTLOGP_PATCH='trl, megatron, vllm': vllm failed and the patches this call "
+        r"had applied \(trl, megatron\) were undone: patch_vllm_sampler: cannot import vllm",
+    ):
+        autopatch.apply_from_env()
+    assert _patching.active(trl.PATCH_KEY) is None
+    assert _patching.active(megatron.PATCH_KEY) is None
+    for package, before in env.items():
+        _check_restored(package, before)
+
+
+def test_a_failed_host_leaves_patches_applied_before_the_call(env, monkeypatch):
+    mine = trl.patch_trl()
+    monkeypatch.setenv(autopatch.ENV, "trl,megatron,vllm")
+    with pytest.raises(ImportError, match=r"\(megatron\) were undone"):
+        autopatch.apply_from_env()
+    assert mine.active and _patching.active(megatron.PATCH_KEY) is None
+    _check_restored("megatron", env["megatron"])
+
+
+def test_hosts_in_the_environment_are_applied_together(env, monkeypatch):
+    monkeypatch.setenv(autopatch.ENV, "megatron,trl,megatron")
+    monkeypatch.setenv(autopatch.VOCAB_ENV, " 151936 ")
+    handles = autopatch.apply_from_env()
+    assert list(handles) == ["megatron", "trl"]
+    assert all(h.active for h in handles.values())
+    assert handles["megatron"].options == {"vocab_size": 151936}
+
+
+@pytest.mark.parametrize("value", ["1.5", "abc", "0", "-3", "2e5", "1_000", str(2**20 + 1)])
+def test_vocab_size_variable_is_checked_by_name(env, monkeypatch, value):
+    monkeypatch.setenv(autopatch.ENV, "trl,megatron")
+    monkeypatch.setenv(autopatch.VOCAB_ENV, value)
+    with pytest.raises(ValueError, match=re.escape(f"EXACTLOGP_VOCAB_SIZE={value!r}")):
+        autopatch.apply_from_env()
+    assert _patching.active(trl.PATCH_KEY) is None
+    assert _patching.active(megatron.PATCH_KEY) is None
+
+
+def test_unknown_host_is_named_with_the_known_ones(env, monkeypatch):
+    monkeypatch.setenv(autopatch.ENV, "trl,torchtune")
+    with pytest.raises(
+        ValueError,
+        match=r"EXACTLOGP_PATCH='trl,torchtune' names unknown hosts \['torchtune'\]; .*"
+        r"trl.*verl.*megatron.*vllm.*sglang",
+    ):
+        autopatch.apply_from_env()
+    assert _patching.active(trl.PATCH_KEY) is None
