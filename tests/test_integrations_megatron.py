@@ -181,6 +181,22 @@ def test_patch_with_vocab_size_binds_it(monkeypatch):
         ours.patch_megatron(vocab_size=500.0)
 
 
+@pytest.mark.parametrize(
+    "value, error, match",
+    [
+        (9.9, TypeError, "vocab_size must be an int or None, got float 9.9"),
+        (True, TypeError, "vocab_size must be an int or None, got bool True"),
+        ("151936", TypeError, "vocab_size must be an int or None, got str '151936'"),
+        (0, ValueError, "vocab_size must be >= 1, got 0"),
+    ],
+)
+def test_patch_checks_vocab_size(monkeypatch, value, error, match):
+    mods = install_megatron(monkeypatch)
+    with pytest.raises(error, match=match):
+        ours.patch_megatron(vocab_size=value)
+    assert mods.tensor_parallel.vocab_parallel_cross_entropy is mods.originals["plain"]
+
+
 def test_moved_symbol_is_named_and_nothing_changes(monkeypatch):
     mods = install_megatron(monkeypatch)
     del mods.fused.fused_vocab_parallel_cross_entropy

@@ -7,6 +7,7 @@ code here (no GPU: its Triton kernels are not taken).
 
 from __future__ import annotations
 
+import re
 import sys
 
 import pytest
@@ -16,7 +17,7 @@ from trl.kernels.chunked_logprob import ChunkedLogProbFunction as TrlChunked
 
 import exactlogp
 from exactlogp import selected_logprobs
-from exactlogp.integrations import trl
+from exactlogp.integrations import _patching, trl
 from exactlogp.testing import assert_bitwise_equal, llm_like_logits
 
 VOCAB = 509
@@ -135,6 +136,27 @@ def test_bad_arguments():
         trl.selective_log_softmax([1.0], index)
     with pytest.raises(ValueError, match="chunk_size must be >= 1, got 0"):
         trl.entropy_from_logits(logits, 0)
+
+
+@pytest.mark.parametrize("out_dtype", [torch.int64, torch.uint8, torch.bool, "float32", float])
+def test_out_dtype_must_be_a_floating_dtype(out_dtype):
+    """An integer or bool out_dtype truncates or wraps the log-probabilities around."""
+    logits, index = _logits(torch.float32)
+    match = r"out_dtype must be a floating torch\.dtype .*, got " + re.escape(repr(out_dtype))
+    calls = [
+        lambda: trl.selective_log_softmax(logits, index, out_dtype=out_dtype),
+        lambda: trl.selective_log_softmax_and_entropy(logits, index, out_dtype=out_dtype),
+        lambda: trl.entropy_from_logits(logits, out_dtype=out_dtype),
+        lambda: trl.patch_trl(out_dtype=out_dtype),
+    ]
+    try:
+        for i, call in enumerate(calls):
+            with pytest.raises(TypeError, match=match):
+                call()
+                pytest.fail(f"call {i} accepted out_dtype={out_dtype!r}")
+        assert _patching.active(trl.PATCH_KEY) is None
+    finally:
+        trl.unpatch_trl()
 
 
 # --- patch_trl ---

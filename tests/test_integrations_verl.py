@@ -6,6 +6,8 @@ patch_verl side by side with the real verl 0.9 (installed by `make setup`).
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import verl.utils.torch_functional as verl_F
@@ -13,7 +15,7 @@ from verl.utils.experimental.torch_functional import FusedLinearForPPO as VerlFu
 
 import exactlogp
 from exactlogp import selected_logprobs
-from exactlogp.integrations import verl
+from exactlogp.integrations import _patching, verl
 from exactlogp.testing import assert_bitwise_equal, llm_like_logits
 from integration_stubs import install_megatron
 
@@ -130,6 +132,40 @@ ENGINE_MODULES = (
     "verl.workers.engine.megatron.transformer_impl",
     "verl.workers.rollout.naive.naive_rollout",
 )
+
+
+@pytest.mark.parametrize("out_dtype", [torch.int64, torch.uint8, torch.bool, "float32"])
+def test_out_dtype_must_be_a_floating_dtype(out_dtype):
+    logits, labels = _full(torch.float32)
+    match = r"out_dtype must be a floating torch\.dtype .*, got " + re.escape(repr(out_dtype))
+    calls = [
+        lambda: verl.logprobs_from_logits(logits, labels, out_dtype=out_dtype),
+        lambda: verl.logprobs_from_logits_v2(logits, labels, out_dtype=out_dtype),
+        lambda: verl.entropy_from_logits(logits, out_dtype=out_dtype),
+    ]
+    for i, call in enumerate(calls):
+        with pytest.raises(TypeError, match=match):
+            call()
+            pytest.fail(f"call {i} accepted out_dtype={out_dtype!r}")
+
+
+@pytest.mark.parametrize(
+    "value, error, match",
+    [
+        (9.9, TypeError, "vocab_size must be an int or None, got float 9.9"),
+        (True, TypeError, "vocab_size must be an int or None, got bool True"),
+        ("151936", TypeError, "vocab_size must be an int or None, got str '151936'"),
+        (0, ValueError, "vocab_size must be >= 1, got 0"),
+        (-5, ValueError, "vocab_size must be >= 1, got -5"),
+    ],
+)
+def test_patch_verl_checks_vocab_size(value, error, match):
+    try:
+        with pytest.raises(error, match=match):
+            verl.patch_verl(vocab_size=value)
+        assert _patching.active(verl.PATCH_KEY) is None
+    finally:
+        verl.unpatch_verl()
 
 
 @pytest.fixture

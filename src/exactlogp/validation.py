@@ -172,7 +172,7 @@ def check_int(name: str, value, minimum: int = INT64_MIN, maximum: int = INT64_M
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an int or None, got {type(value).__name__}")
+        raise TypeError(f"{name} must be an int or None, got {type(value).__name__} {value!r}")
     value = int(value)
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")

@@ -10,17 +10,39 @@ swaps each module attribute under the host's package that holds the original obj
 undo restores the copies made while the patch was live (modules imported after it).
 Optional sites (a trainer module whose own dependencies are missing) are skipped with the
 reason kept on the handle; such a module, imported later, copies the patched definition.
+
+Thread safety: one lock (`LOCK`, re-entrant) serialises every apply and undo, and what they
+read and write (the live handles, the host's bindings). Concurrent first calls of one
+`patch_<host>()` give one handle whose originals are the host's own objects; the
+`patch_<host>()` / `unpatch_<host>()` functions hold it for their whole body (`atomic`).
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import logging
 import sys
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 logger = logging.getLogger(__name__)
+
+# Serialises apply / undo and everything they read and write. Re-entrant: a patch_<host>()
+# holding it calls apply(), and autopatch holds it across several patch_<host>() calls.
+LOCK = threading.RLock()
+
+
+def atomic(fn: Callable) -> Callable:
+    """Run `fn` (a patch_<host>() or unpatch_<host>()) holding LOCK."""
+
+    @functools.wraps(fn)
+    def locked(*args, **kwargs):
+        with LOCK:
+            return fn(*args, **kwargs)
+
+    return locked
 
 
 @dataclass(frozen=True)
@@ -81,9 +103,10 @@ class PatchHandle:
         return None
 
     def undo(self) -> None:
-        if _ACTIVE.get(self.key) is self:
-            del _ACTIVE[self.key]
-            self._restore()
+        with LOCK:
+            if _ACTIVE.get(self.key) is self:
+                del _ACTIVE[self.key]
+                self._restore()
 
     def _restore(self) -> None:
         for swap in reversed(self._swaps):
@@ -109,21 +132,31 @@ def active(key: str) -> PatchHandle | None:
     return _ACTIVE.get(key)
 
 
+def live() -> dict[str, PatchHandle]:
+    """A copy of {key: live handle}."""
+    with LOCK:
+        return dict(_ACTIVE)
+
+
 def apply(key: str, sites: Sequence[Site], options: dict | None = None) -> PatchHandle:
     """Swap every site in; return the live handle if `key` is already applied.
 
     Raises ValueError if `key` is live with other `options`, ImportError / AttributeError
     naming the first required site that cannot be resolved (nothing is changed then).
     """
-    options = dict(options or {})
-    live = _ACTIVE.get(key)
-    if live is not None:
-        if live.options != options:
+    with LOCK:
+        return _apply(key, sites, dict(options or {}))
+
+
+def _apply(key: str, sites: Sequence[Site], options: dict) -> PatchHandle:
+    handle = _ACTIVE.get(key)
+    if handle is not None:
+        if handle.options != options:
             raise ValueError(
-                f"{key} is already applied with {live.options}; undo it before applying "
+                f"{key} is already applied with {handle.options}; undo it before applying "
                 f"it with {options}"
             )
-        return live
+        return handle
     swaps: list[_Swap] = []
     skipped: dict[str, str] = {}
     for site in sites:
@@ -147,11 +180,12 @@ def apply(key: str, sites: Sequence[Site], options: dict | None = None) -> Patch
 
 def undo(key: str) -> bool:
     """Undo the live patch `key`; False if it was not applied."""
-    live = _ACTIVE.get(key)
-    if live is None:
-        return False
-    live.undo()
-    return True
+    with LOCK:
+        handle = _ACTIVE.get(key)
+        if handle is None:
+            return False
+        handle.undo()
+        return True
 
 
 def _resolve(key: str, site: Site) -> _Swap:

@@ -15,6 +15,8 @@ import numbers
 import torch
 
 from ..api import selected_logprobs
+from ..contract import MAX_VOCAB
+from ..validation import check_int
 from ._dtensor import is_dtensor, vocab_shard
 
 IGNORE = -100  # the id that gives 0 (exactlogp's default ignore_index)
@@ -32,6 +34,24 @@ def check_positive_temperature(temperature) -> float:
     if not temperature > 0:  # also NaN
         raise ValueError(f"temperature must be positive, got {temperature!r}")
     return float(temperature)
+
+
+def check_out_dtype(out_dtype) -> torch.dtype | None:
+    """None or a floating torch.dtype: log-probabilities cast to an integer or bool dtype
+    would be truncated or wrap around (uint8 249 for -7.79)."""
+    if out_dtype is None:
+        return None
+    if not isinstance(out_dtype, torch.dtype) or not out_dtype.is_floating_point:
+        raise TypeError(
+            "out_dtype must be a floating torch.dtype (e.g. torch.float32) or None, got "
+            f"{out_dtype!r}"
+        )
+    return out_dtype
+
+
+def check_vocab_size(vocab_size) -> int | None:
+    """None or an int in [1, MAX_VOCAB] (not a bool)."""
+    return check_int("vocab_size", vocab_size, 1, MAX_VOCAB)
 
 
 def check_chunk_size(chunk_size) -> int:
@@ -54,6 +74,7 @@ def one_id_per_row(
     """(logprobs, entropy) shaped like `index` (== logits.shape[:-1]); fp32, or fp64 for
     fp64 logits. Rows where `row_mask == 0` give exactly 0 and a zero gradient. A DTensor
     `logits` sharded on its last dimension is scored shard by shard over its mesh's group."""
+    vocab_size = check_vocab_size(vocab_size)
     if is_dtensor(index):
         index = index.full_tensor()
     if is_dtensor(row_mask):

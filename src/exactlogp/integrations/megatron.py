@@ -131,6 +131,7 @@ def _batch_invariant_mode() -> bool:
 _RL_UTILS = "megatron.rl.rl_utils"
 
 
+@_patching.atomic
 def patch_megatron(*, vocab_size: int | None = None) -> _patching.PatchHandle:
     """Make megatron-core's models (and Megatron-LM's RL loop) use exactlogp.
 
@@ -150,8 +151,10 @@ def patch_megatron(*, vocab_size: int | None = None) -> _patching.PatchHandle:
 
     Opt-in and idempotent (a second call returns the live handle); undo with
     `unpatch_megatron()` or `handle.undo()`. Raises ImportError / AttributeError naming the
-    symbol if this megatron-core version moved it, and then changes nothing.
+    symbol if this megatron-core version moved it, and then changes nothing. `vocab_size`:
+    None or an int >= 1 (TypeError / ValueError otherwise).
     """
+    vocab_size = _rows.check_vocab_size(vocab_size)
     if vocab_size is None:
         plain, fused = vocab_parallel_cross_entropy, fused_vocab_parallel_cross_entropy
         rl = selective_log_softmax
@@ -174,15 +177,13 @@ def patch_megatron(*, vocab_size: int | None = None) -> _patching.PatchHandle:
     return _patching.apply(PATCH_KEY, sites, {"vocab_size": vocab_size})
 
 
+@_patching.atomic
 def unpatch_megatron() -> bool:
     """Restore megatron-core's own functions; False if `patch_megatron` was not applied."""
     return _patching.undo(PATCH_KEY)
 
 
 def _bind_vocab_size(vocab_size: int):
-    if isinstance(vocab_size, bool) or not isinstance(vocab_size, numbers.Integral):
-        raise TypeError(f"vocab_size must be an int or None, got {type(vocab_size).__name__}")
-
     def plain(vocab_parallel_logits, target, label_smoothing=0.0, tp_group=None):
         return vocab_parallel_cross_entropy(
             vocab_parallel_logits, target, label_smoothing, tp_group, vocab_size=vocab_size

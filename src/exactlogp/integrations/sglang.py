@@ -39,6 +39,7 @@ _SAMPLER = "sglang.srt.layers.sampler"
 _LOGPROBS = "sglang.srt.layers.logprob_processor"
 
 
+@_patching.atomic
 def patch_sglang() -> _patching.PatchHandle:
     """Wrap SGLang's `Sampler.forward` (see the module docstring) and refuse its
     speculative-decoding logprobs. Idempotent; undo with `unpatch_sglang()`. Raises
@@ -53,6 +54,7 @@ def patch_sglang() -> _patching.PatchHandle:
     return _patching.apply(PATCH_KEY, sites)
 
 
+@_patching.atomic
 def unpatch_sglang() -> bool:
     """Restore SGLang's own sampler; False if it was not patched."""
     return _patching.undo(PATCH_KEY)

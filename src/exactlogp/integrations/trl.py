@@ -64,6 +64,7 @@ def selective_log_softmax(
             rows where it is 0 give exactly 0 and no gradient.
         out_dtype: None for TRL's dtype (see the module docstring), or a dtype.
     """
+    out_dtype = _rows.check_out_dtype(out_dtype)
     temperature = _rows.check_positive_temperature(temperature)
     logprobs = _rows.k_ids_per_row(logits, index, temperature=temperature, row_mask=row_mask)
     return _rows.cast(logprobs, _dtype(out_dtype, logits, index))
@@ -81,6 +82,7 @@ def selective_log_softmax_and_entropy(
     """(log-probabilities at `index`, entropy) of softmax(logits / temperature), one id
     per row, from one pass; both 0 where `row_mask == 0`. With
     `entropy_requires_grad=False` the entropy is detached."""
+    out_dtype = _rows.check_out_dtype(out_dtype)
     temperature = _rows.check_positive_temperature(temperature)
     _rows.check_tensor("logits", logits)
     _rows.check_tensor("index", index)
@@ -106,6 +108,7 @@ def entropy_from_logits(
     `chunk_size` is TRL's memory knob; exactlogp already bounds its memory per row block,
     and no chunking changes a bit.
     """
+    out_dtype = _rows.check_out_dtype(out_dtype)
     _rows.check_chunk_size(chunk_size)
     return _rows.cast(
         _rows.entropy(logits), _dtype(out_dtype, _rows.check_tensor("logits", logits))
@@ -114,8 +117,6 @@ def entropy_from_logits(
 
 def _dtype(out_dtype, logits: torch.Tensor, index: torch.Tensor | None = None) -> torch.dtype:
     if out_dtype is not None:
-        if not isinstance(out_dtype, torch.dtype):
-            raise TypeError(f"out_dtype must be a torch.dtype or None, got {out_dtype!r}")
         return out_dtype
     kernel = (
         logits.device.type in ("cuda", "xpu")
@@ -428,6 +429,7 @@ def _router_aux_loss(model, text_config, states, attention_mask):
 # --- patching TRL ---
 
 
+@_patching.atomic
 def patch_trl(*, out_dtype: torch.dtype | None = None) -> _patching.PatchHandle:
     """Make TRL compute its log-probabilities and entropies with exactlogp.
 
@@ -457,6 +459,7 @@ def patch_trl(*, out_dtype: torch.dtype | None = None) -> _patching.PatchHandle:
     return _patching.apply(PATCH_KEY, sites, {"out_dtype": out_dtype})
 
 
+@_patching.atomic
 def unpatch_trl() -> bool:
     """Restore TRL's own functions; False if `patch_trl` was not applied."""
     return _patching.undo(PATCH_KEY)
@@ -468,10 +471,8 @@ def _with_out_dtype(out_dtype) -> dict:
         "selective_log_softmax_and_entropy": selective_log_softmax_and_entropy,
         "entropy_from_logits": entropy_from_logits,
     }
-    if out_dtype is None:
+    if _rows.check_out_dtype(out_dtype) is None:
         return fns
-    if not isinstance(out_dtype, torch.dtype):
-        raise TypeError(f"out_dtype must be a torch.dtype or None, got {out_dtype!r}")
     return {
         name: functools.wraps(fn)(functools.partial(fn, out_dtype=out_dtype))
         for name, fn in fns.items()

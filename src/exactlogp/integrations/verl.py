@@ -55,6 +55,7 @@ def logprobs_from_logits(
     """log_softmax(logits, -1) at `labels`, shaped like labels. `inplace_backward` is
     accepted for verl's signature: exactlogp never writes into the logits."""
     del inplace_backward
+    out_dtype = _rows.check_out_dtype(out_dtype)
     logprobs, _ = _rows.one_id_per_row(_rows.check_tensor("logits", logits), labels)
     return _rows.cast(logprobs, _dtype(out_dtype, logits, fused_ce=True))
 
@@ -63,6 +64,7 @@ def logprobs_from_logits_v2(
     logits: torch.Tensor, labels: torch.Tensor, *, out_dtype: torch.dtype | None = None
 ) -> torch.Tensor:
     """verl's memory-lean variant: the same values; the logits' dtype."""
+    out_dtype = _rows.check_out_dtype(out_dtype)
     logprobs, _ = _rows.one_id_per_row(_rows.check_tensor("logits", logits), labels)
     return _rows.cast(logprobs, _dtype(out_dtype, logits))
 
@@ -71,6 +73,7 @@ def entropy_from_logits(
     logits: torch.Tensor, *, out_dtype: torch.dtype | None = None
 ) -> torch.Tensor:
     """Entropy of softmax(logits) per row, shaped logits.shape[:-1]; the logits' dtype."""
+    out_dtype = _rows.check_out_dtype(out_dtype)
     return _rows.cast(_rows.entropy(logits), _dtype(out_dtype, logits))
 
 
@@ -83,8 +86,6 @@ def entropy_from_logits_with_chunking(logits: torch.Tensor, chunk_size: int = 20
 
 def _dtype(out_dtype, logits: torch.Tensor, fused_ce: bool = False) -> torch.dtype:
     if out_dtype is not None:
-        if not isinstance(out_dtype, torch.dtype):
-            raise TypeError(f"out_dtype must be a torch.dtype or None, got {out_dtype!r}")
         return out_dtype
     if fused_ce and _verl_uses_fused_ce():
         return torch.float32
@@ -220,6 +221,7 @@ _ENGINES = (
 )
 
 
+@_patching.atomic
 def patch_verl(*, vocab_size: int | None = None) -> _patching.PatchHandle:
     """Make verl 0.9's engines compute log-probs and entropy with exactlogp.
 
@@ -240,8 +242,11 @@ def patch_verl(*, vocab_size: int | None = None) -> _patching.PatchHandle:
     RuntimeWarning. Sites whose module does not import here (an engine whose own
     dependencies are missing) are skipped and listed in `handle.skipped`.
 
+    `vocab_size`: None or an int >= 1 (TypeError / ValueError otherwise).
+
     Opt-in and idempotent; undo with `unpatch_verl()` or `handle.undo()`.
     """
+    vocab_size = _rows.check_vocab_size(vocab_size)
     megatron = _megatron_functions(vocab_size)
     sites = [
         _patching.Site("verl.utils.torch_functional", name, fn, everywhere=True)
@@ -273,6 +278,7 @@ def patch_verl(*, vocab_size: int | None = None) -> _patching.PatchHandle:
     return _patching.apply(PATCH_KEY, sites, {"vocab_size": vocab_size})
 
 
+@_patching.atomic
 def unpatch_verl() -> bool:
     """Restore verl's own functions; False if `patch_verl` was not applied."""
     return _patching.undo(PATCH_KEY)
@@ -285,9 +291,8 @@ def _megatron_functions(vocab_size) -> dict:
             "vocab_parallel_entropy": vocab_parallel_entropy,
             "vocab_parallel_entropy_with_chunking": vocab_parallel_entropy_with_chunking,
         }
-    _rows_vocab = int(vocab_size)
     return {
-        name: functools.wraps(fn)(functools.partial(fn, vocab_size=_rows_vocab))
+        name: functools.wraps(fn)(functools.partial(fn, vocab_size=vocab_size))
         for name, fn in (
             ("vocab_parallel_log_probs_from_logits", vocab_parallel_log_probs_from_logits),
             ("vocab_parallel_entropy", vocab_parallel_entropy),

@@ -152,6 +152,7 @@ _EXACT_MODES = ("raw_logprobs", "processed_logprobs")
 EXACT_COLUMNS = 32  # logprob columns per token computed exactly; past that, column 0 only
 
 
+@_patching.atomic
 def patch_vllm_sampler() -> _patching.PatchHandle:
     """Make vLLM report exactlogp's logprobs, in this process.
 
@@ -202,6 +203,7 @@ def patch_vllm_sampler() -> _patching.PatchHandle:
     return _patching.apply(PATCH_KEY, sites)
 
 
+@_patching.atomic
 def unpatch_vllm_sampler() -> bool:
     """Restore vLLM's own functions; False if they were not patched."""
     return _patching.undo(PATCH_KEY)
