@@ -349,3 +349,76 @@ def test_add_fused_lm_head_on_a_bf16_model(cast):
     b.loss.backward()
     for p, q in zip(ours.parameters(), host.parameters(), strict=True):
         torch.testing.assert_close(p.grad.float(), q.grad.float(), atol=1e-2, rtol=1e-2)
+
+
+# --- fp64 models: the fused head computes them in fp64 with plain torch ---
+
+
+def test_chunked_function_in_fp64_side_by_side():
+    hidden, weight, bias, targets = _head_case(torch.float64)
+    targets[3] = -100
+    args = (targets, 0.7, 64, None, 0.5, trl.OPTIONAL_OUTPUTS)
+    leaves = [t.clone().requires_grad_() for t in (hidden, weight, bias)]
+    ours = trl.ChunkedLogProbFunction.apply(*leaves, *args)
+    host_leaves = [t.clone().requires_grad_() for t in (hidden, weight, bias)]
+    host = TrlChunked.apply(*host_leaves, *(targets.clamp(min=0), *args[1:]))
+    for name, a, b in zip(("log_probs", *trl.OPTIONAL_OUTPUTS), ours, host, strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape, name
+        keep = torch.ones_like(targets, dtype=torch.bool)
+        keep[3] = False
+        if name == "is_top1":
+            assert torch.equal(a[keep], b[keep])
+        else:
+            torch.testing.assert_close(a[keep], b[keep], atol=1e-5, rtol=1e-5, msg=name)
+    assert ours[0][3].item() == 0.0 and ours[1][3].item() == 0.0
+    (ours[0].sum() + 0.5 * ours[1].sum()).backward()
+    keep_rows = torch.ones_like(targets, dtype=torch.float64)
+    keep_rows[3] = 0
+    (host[0] * keep_rows).sum().add(0.5 * (host[1] * keep_rows).sum()).backward()
+    for a, b in zip(leaves, host_leaves, strict=True):
+        assert a.grad.dtype == torch.float64
+        torch.testing.assert_close(a.grad, b.grad, atol=1e-4, rtol=1e-4)
+
+
+def test_sft_trainer_trains_an_fp64_model_patched(tmp_path, monkeypatch):
+    """TRL's SFTTrainer installs the fused head at construction (add_fused_lm_head) and
+    trains an fp64 model; patched, the same step runs (it raised a TypeError mid-training)."""
+    from datasets import Dataset
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+    from trl import SFTConfig, SFTTrainer
+
+    vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2}
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="<unk>")),
+        pad_token="<pad>",
+        eos_token="<eos>",
+    )
+    g = torch.Generator().manual_seed(0)
+    rows = [torch.randint(3, VOCAB, (8,), generator=g).tolist() for _ in range(4)]
+    dataset = Dataset.from_dict({"input_ids": rows})
+
+    def train_one_step():
+        model = tiny_model().double()
+        args = SFTConfig(
+            output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=4, report_to=[],
+            use_cpu=True, save_strategy="no", disable_tqdm=True, bf16=False,  # no autocast
+        )  # fmt: skip
+        trainer = SFTTrainer(
+            model=model, args=args, train_dataset=dataset, processing_class=tokenizer
+        )
+        return trainer.train().training_loss, model
+
+    host_loss, _ = train_one_step()
+    calls = []
+    fp64 = getattr(trl, "_fp64_chunked", None)
+    spy = lambda *a: calls.append(1) or fp64(*a)  # noqa: E731
+    monkeypatch.setattr(trl, "_fp64_chunked", spy, raising=False)
+    trl.patch_trl()
+    try:
+        loss, model = train_one_step()
+    finally:
+        trl.unpatch_trl()
+    assert model.lm_head.weight.dtype == torch.float64
+    assert calls, "the trainer did not run exactlogp's fp64 head"
+    assert loss == pytest.approx(host_loss, rel=1e-6)  # TRL returns fp32 values
