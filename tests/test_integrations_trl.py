@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 import sys
+import warnings
 
 import pytest
 import torch
@@ -418,7 +419,64 @@ def test_sft_trainer_trains_an_fp64_model_patched(tmp_path, monkeypatch):
     try:
         loss, model = train_one_step()
     finally:
-        trl.unpatch_trl()
+        with warnings.catch_warnings():  # `model` keeps exactlogp's head, as it says
+            warnings.simplefilter("ignore", RuntimeWarning)
+            trl.unpatch_trl()
     assert model.lm_head.weight.dtype == torch.float64
     assert calls, "the trainer did not run exactlogp's fp64 head"
     assert loss == pytest.approx(host_loss, rel=1e-6)  # TRL returns fp32 values
+
+
+# --- what unpatch_trl restores, and what it leaves behind ---
+
+
+def _head_owner(model) -> str:
+    """'exactlogp' or 'trl': whose add_fused_lm_head gave `model` its forward."""
+    filename = model.forward.__func__.__code__.co_filename
+    return "exactlogp" if filename == trl.__file__ else "trl"
+
+
+def test_unpatch_warns_about_models_that_keep_exactlogps_head():
+    import gc
+
+    before = tiny_model()
+    trl_utils.add_fused_lm_head(before)  # TRL's head, built before the patch
+    handle = trl.patch_trl()
+    try:
+        kept = tiny_model()
+        trl_utils.add_fused_lm_head(kept)  # what a trainer built while patched does
+        dropped = tiny_model()
+        trl_utils.add_fused_lm_head(dropped)
+        del dropped
+        gc.collect()
+        assert _head_owner(kept) == "exactlogp"
+        assert trl_utils._ChunkedLogProbFunction is trl.ChunkedLogProbFunction
+        with pytest.warns(RuntimeWarning, match=r"1 model\(s\) .*\(Qwen3ForCausalLM at 0x") as w:
+            assert trl.unpatch_trl() is True
+        assert w[0].filename == __file__  # points at the call
+    finally:
+        handle.undo()
+    assert _head_owner(kept) == "exactlogp"  # left behind, as the warning says
+    # restored: the names, so TRL's head of a model built before the patch computes with
+    # TRL's kernel again, and models built now get TRL's head
+    assert trl_utils._ChunkedLogProbFunction is TrlChunked
+    after = tiny_model()
+    trl_utils.add_fused_lm_head(after)
+    assert _head_owner(before) == _head_owner(after) == "trl"
+    # warned once: a second cycle with no model built while patched says nothing
+    trl.patch_trl()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert trl.unpatch_trl() is True
+
+
+def test_handle_undo_warns_too():
+    handle = trl.patch_trl()
+    try:
+        model = tiny_model()
+        trl_utils.add_fused_lm_head(model)
+        with pytest.warns(RuntimeWarning, match="unpatch_trl: TRL's functions are restored"):
+            handle.undo()
+    finally:
+        handle.undo()
+    assert _head_owner(model) == "exactlogp"

@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import functools
 import types
+import warnings
+import weakref
 from contextlib import nullcontext
 
 import torch
@@ -42,6 +44,9 @@ PATCH_KEY = "patch_trl"
 OPTIONAL_OUTPUTS = ("entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
 FUSED_OUTPUTS = ("log_probs", *OPTIONAL_OUTPUTS)
 _ROW_BLOCK = 1024  # rows of (N, V) fp32 logits materialised at once for mean_logits / is_top1
+# Models given exactlogp's fused head while patch_trl() was live: an unpatch cannot give
+# them TRL's head back, so it warns about those still alive (weak: no model is kept).
+_HEADS_WHILE_PATCHED: weakref.WeakSet = weakref.WeakSet()
 
 
 # --- full logits ---
@@ -309,6 +314,8 @@ def add_fused_lm_head(
         )  # fmt: skip
 
     model.forward = types.MethodType(forward, model)
+    if _patching.active(PATCH_KEY) is not None:
+        _HEADS_WHILE_PATCHED.add(model)
 
 
 def _fused_forward(model, backbone, text_config, args, kwargs, labels, shift_labels,
@@ -520,13 +527,56 @@ def patch_trl(*, out_dtype: torch.dtype | None = None) -> _patching.PatchHandle:
         )
     ]
     sites.append(_patching.Site("trl.trainer", "add_fused_lm_head", add_fused_lm_head))
-    return _patching.apply(PATCH_KEY, sites, {"out_dtype": out_dtype})
+    return _patching.apply(PATCH_KEY, sites, {"out_dtype": out_dtype}, on_undo=_warn_left_behind)
 
 
 @_patching.atomic
 def unpatch_trl() -> bool:
-    """Restore TRL's own functions; False if `patch_trl` was not applied."""
+    """Restore TRL's own functions; False if `patch_trl` was not applied.
+
+    Restored: every binding `patch_trl` swapped (also copies made while patched), so models
+    given TRL's head before the patch and everything built afterwards are TRL's again. Not
+    restored: a model given exactlogp's fused head while patched (TRL's trainers do it at
+    construction) keeps it; a RuntimeWarning names those still alive.
+    """
     return _patching.undo(PATCH_KEY)
+
+
+def _warn_left_behind() -> None:
+    models = list(_HEADS_WHILE_PATCHED)
+    if models:
+        import gc
+
+        del models
+        gc.collect()  # the head's forward refers to its model: a cycle only gc frees
+        models = list(_HEADS_WHILE_PATCHED)
+    _HEADS_WHILE_PATCHED.clear()
+    if not models:
+        return
+    names = ", ".join(f"{type(m).__name__} at {id(m):#x}" for m in models[:5])
+    more = f" and {len(models) - 5} more" if len(models) > 5 else ""
+    warnings.warn(
+        f"unpatch_trl: TRL's functions are restored, but {len(models)} model(s) given "
+        f"exactlogp's fused LM head by add_fused_lm_head while patch_trl() was live ("
+        f"{names}{more}) keep it: their forward(..., fused_lm_head=True) still computes "
+        "with exactlogp. Build the model (and its trainer) again after unpatch_trl() for "
+        "TRL's head.",
+        RuntimeWarning,
+        stacklevel=_caller_level(),
+    )
+
+
+def _caller_level() -> int:
+    """warnings.warn's stacklevel of the first frame outside this package (the caller of
+    unpatch_trl() or handle.undo())."""
+    import os
+    import sys
+
+    here = os.path.dirname(__file__)
+    frame, level = sys._getframe(1), 1
+    while frame is not None and os.path.dirname(frame.f_code.co_filename) == here:
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _with_out_dtype(out_dtype) -> dict:
