@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 import sys
+import warnings
 
 import pytest
 import torch
@@ -349,3 +350,133 @@ def test_add_fused_lm_head_on_a_bf16_model(cast):
     b.loss.backward()
     for p, q in zip(ours.parameters(), host.parameters(), strict=True):
         torch.testing.assert_close(p.grad.float(), q.grad.float(), atol=1e-2, rtol=1e-2)
+
+
+# --- fp64 models: the fused head computes them in fp64 with plain torch ---
+
+
+def test_chunked_function_in_fp64_side_by_side():
+    hidden, weight, bias, targets = _head_case(torch.float64)
+    targets[3] = -100
+    args = (targets, 0.7, 64, None, 0.5, trl.OPTIONAL_OUTPUTS)
+    leaves = [t.clone().requires_grad_() for t in (hidden, weight, bias)]
+    ours = trl.ChunkedLogProbFunction.apply(*leaves, *args)
+    host_leaves = [t.clone().requires_grad_() for t in (hidden, weight, bias)]
+    host = TrlChunked.apply(*host_leaves, *(targets.clamp(min=0), *args[1:]))
+    for name, a, b in zip(("log_probs", *trl.OPTIONAL_OUTPUTS), ours, host, strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape, name
+        keep = torch.ones_like(targets, dtype=torch.bool)
+        keep[3] = False
+        if name == "is_top1":
+            assert torch.equal(a[keep], b[keep])
+        else:
+            torch.testing.assert_close(a[keep], b[keep], atol=1e-5, rtol=1e-5, msg=name)
+    assert ours[0][3].item() == 0.0 and ours[1][3].item() == 0.0
+    (ours[0].sum() + 0.5 * ours[1].sum()).backward()
+    keep_rows = torch.ones_like(targets, dtype=torch.float64)
+    keep_rows[3] = 0
+    (host[0] * keep_rows).sum().add(0.5 * (host[1] * keep_rows).sum()).backward()
+    for a, b in zip(leaves, host_leaves, strict=True):
+        assert a.grad.dtype == torch.float64
+        torch.testing.assert_close(a.grad, b.grad, atol=1e-4, rtol=1e-4)
+
+
+def test_sft_trainer_trains_an_fp64_model_patched(tmp_path, monkeypatch):
+    """TRL's SFTTrainer installs the fused head at construction (add_fused_lm_head) and
+    trains an fp64 model; patched, the same step runs (it raised a TypeError mid-training)."""
+    from datasets import Dataset
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+    from trl import SFTConfig, SFTTrainer
+
+    vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2}
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="<unk>")),
+        pad_token="<pad>",
+        eos_token="<eos>",
+    )
+    g = torch.Generator().manual_seed(0)
+    rows = [torch.randint(3, VOCAB, (8,), generator=g).tolist() for _ in range(4)]
+    dataset = Dataset.from_dict({"input_ids": rows})
+
+    def train_one_step():
+        model = tiny_model().double()
+        args = SFTConfig(
+            output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=4, report_to=[],
+            use_cpu=True, save_strategy="no", disable_tqdm=True, bf16=False,  # no autocast
+        )  # fmt: skip
+        trainer = SFTTrainer(
+            model=model, args=args, train_dataset=dataset, processing_class=tokenizer
+        )
+        return trainer.train().training_loss, model
+
+    host_loss, _ = train_one_step()
+    calls = []
+    fp64 = getattr(trl, "_fp64_chunked", None)
+    spy = lambda *a: calls.append(1) or fp64(*a)  # noqa: E731
+    monkeypatch.setattr(trl, "_fp64_chunked", spy, raising=False)
+    trl.patch_trl()
+    try:
+        loss, model = train_one_step()
+    finally:
+        with warnings.catch_warnings():  # `model` keeps exactlogp's head, as it says
+            warnings.simplefilter("ignore", RuntimeWarning)
+            trl.unpatch_trl()
+    assert model.lm_head.weight.dtype == torch.float64
+    assert calls, "the trainer did not run exactlogp's fp64 head"
+    assert loss == pytest.approx(host_loss, rel=1e-6)  # TRL returns fp32 values
+
+
+# --- what unpatch_trl restores, and what it leaves behind ---
+
+
+def _head_owner(model) -> str:
+    """'exactlogp' or 'trl': whose add_fused_lm_head gave `model` its forward."""
+    filename = model.forward.__func__.__code__.co_filename
+    return "exactlogp" if filename == trl.__file__ else "trl"
+
+
+def test_unpatch_warns_about_models_that_keep_exactlogps_head():
+    import gc
+
+    before = tiny_model()
+    trl_utils.add_fused_lm_head(before)  # TRL's head, built before the patch
+    handle = trl.patch_trl()
+    try:
+        kept = tiny_model()
+        trl_utils.add_fused_lm_head(kept)  # what a trainer built while patched does
+        dropped = tiny_model()
+        trl_utils.add_fused_lm_head(dropped)
+        del dropped
+        gc.collect()
+        assert _head_owner(kept) == "exactlogp"
+        assert trl_utils._ChunkedLogProbFunction is trl.ChunkedLogProbFunction
+        with pytest.warns(RuntimeWarning, match=r"1 model\(s\) .*\(Qwen3ForCausalLM at 0x") as w:
+            assert trl.unpatch_trl() is True
+        assert w[0].filename == __file__  # points at the call
+    finally:
+        handle.undo()
+    assert _head_owner(kept) == "exactlogp"  # left behind, as the warning says
+    # restored: the names, so TRL's head of a model built before the patch computes with
+    # TRL's kernel again, and models built now get TRL's head
+    assert trl_utils._ChunkedLogProbFunction is TrlChunked
+    after = tiny_model()
+    trl_utils.add_fused_lm_head(after)
+    assert _head_owner(before) == _head_owner(after) == "trl"
+    # warned once: a second cycle with no model built while patched says nothing
+    trl.patch_trl()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert trl.unpatch_trl() is True
+
+
+def test_handle_undo_warns_too():
+    handle = trl.patch_trl()
+    try:
+        model = tiny_model()
+        trl_utils.add_fused_lm_head(model)
+        with pytest.warns(RuntimeWarning, match="unpatch_trl: TRL's functions are restored"):
+            handle.undo()
+    finally:
+        handle.undo()
+    assert _head_owner(model) == "exactlogp"

@@ -81,11 +81,19 @@ class _Swap:
 class PatchHandle:
     """A live patch; `undo()` puts every original back (also `unpatch_<framework>()`)."""
 
-    def __init__(self, key: str, swaps: list[_Swap], options: dict, skipped: dict[str, str]):
+    def __init__(
+        self,
+        key: str,
+        swaps: list[_Swap],
+        options: dict,
+        skipped: dict[str, str],
+        on_undo: Callable[[], None] | None = None,
+    ):
         self.key = key
         self.options = options
         self.skipped = skipped  # site path -> why it was not patched
         self._swaps = swaps
+        self._on_undo = on_undo
 
     @property
     def active(self) -> bool:
@@ -107,6 +115,8 @@ class PatchHandle:
             if _ACTIVE.get(self.key) is self:
                 del _ACTIVE[self.key]
                 self._restore()
+                if self._on_undo is not None:
+                    self._on_undo()
 
     def _restore(self) -> None:
         for swap in reversed(self._swaps):
@@ -138,17 +148,25 @@ def live() -> dict[str, PatchHandle]:
         return dict(_ACTIVE)
 
 
-def apply(key: str, sites: Sequence[Site], options: dict | None = None) -> PatchHandle:
+def apply(
+    key: str,
+    sites: Sequence[Site],
+    options: dict | None = None,
+    on_undo: Callable[[], None] | None = None,
+) -> PatchHandle:
     """Swap every site in; return the live handle if `key` is already applied.
+
+    `on_undo` is called (under LOCK) after the undo restored every binding: to report the
+    objects the patch reached that an undo cannot restore (a model built while patched).
 
     Raises ValueError if `key` is live with other `options`, ImportError / AttributeError
     naming the first required site that cannot be resolved (nothing is changed then).
     """
     with LOCK:
-        return _apply(key, sites, dict(options or {}))
+        return _apply(key, sites, dict(options or {}), on_undo)
 
 
-def _apply(key: str, sites: Sequence[Site], options: dict) -> PatchHandle:
+def _apply(key: str, sites: Sequence[Site], options: dict, on_undo=None) -> PatchHandle:
     handle = _ACTIVE.get(key)
     if handle is not None:
         if handle.options != options:
@@ -173,7 +191,7 @@ def _apply(key: str, sites: Sequence[Site], options: dict) -> PatchHandle:
     swaps = _unique(swaps)
     for swap in swaps:
         setattr(swap.owner, swap.attr, swap.new)
-    handle = PatchHandle(key, swaps, options, skipped)
+    handle = PatchHandle(key, swaps, options, skipped, on_undo)
     _ACTIVE[key] = handle
     return handle
 

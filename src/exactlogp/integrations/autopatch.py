@@ -10,9 +10,12 @@ sglang (EXACTLOGP_VOCAB_SIZE, if set, is passed to megatron and verl as `vocab_s
   (`vllm.general_plugins`, `sglang.srt.plugins`): setting EXACTLOGP_PATCH is enough.
 - Ray: `runtime_env={"env_vars": {"EXACTLOGP_PATCH": "verl"},
   "worker_process_setup_hook": "exactlogp.integrations.autopatch.apply_from_env"}`.
-- Any Python process: call `apply_from_env()` at start-up, or put
-  `import exactlogp.integrations.autopatch as a; a.apply_from_env()` in a
-  `sitecustomize.py` on the workers' PYTHONPATH.
+- Any Python process (TRL, torchrun ranks, Ray actors): nothing to do where exactlogp is
+  installed in site-packages. Its `exactlogp-autopatch.pth` runs a start-up hook in every
+  interpreter (`_exactlogp_autopatch`): with EXACTLOGP_PATCH set it patches trl, verl and
+  megatron (at `megatron.core`) right after each is first imported. Where the .pth is not
+  processed (`python -S`, exactlogp only on PYTHONPATH), call `apply_from_env()` at
+  start-up, or put it in a `sitecustomize.py`.
 
 A requested patch that cannot be applied raises (never a silent no-op), and the call is
 all or nothing: the patches it applied before the failing one are undone first (patches
@@ -91,6 +94,21 @@ def apply_from_env() -> dict:
             failed = next(h for h in patches if h not in handles)
             raise type(exc)(_in_context(exc, failed, applied)) from exc
     return handles
+
+
+def apply_host(host: str) -> _patching.PatchHandle:
+    """Apply the patch of one host EXACTLOGP_PATCH names (the start-up hook calls it when
+    the host is first imported); an error names EXACTLOGP_PATCH and the host."""
+    if host not in HOSTS:
+        raise ValueError(f"host={host!r} is unknown; the known hosts are {', '.join(HOSTS)}")
+    try:
+        return _patch_function(host, vocab_size())()
+    except _REBUILT as exc:
+        if type(exc) not in _REBUILT:
+            raise
+        raise type(exc)(
+            f"{ENV}={os.environ.get(ENV, '')!r}: patching {host} when it was imported failed: {exc}"
+        ) from exc
 
 
 def _patch_function(host: str, vocab: int | None) -> Callable[[], _patching.PatchHandle]:

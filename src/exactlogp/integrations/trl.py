@@ -20,14 +20,17 @@ rollout engine's processed logprobs do), not the logits in their own dtype (TRL'
 path). Output dtype: TRL's -- fp32 where TRL would run its Triton kernel (a CUDA / XPU
 device with Triton, at most 3-D logits, one id per row), the logits' dtype elsewhere;
 `out_dtype=torch.float32` keeps exactlogp's fp32 everywhere. fp64 logits are outside the
-contract and computed in fp64 with plain torch (accurate, not bit-invariant). Ids equal to
--100 give 0 (TRL's gather raises on them).
+contract and computed in fp64 with plain torch (accurate, not bit-invariant); so are fp64
+hidden states in the fused head (an fp64 model without autocast), whose results are
+TRL's fp32. Ids equal to -100 give 0 (TRL's gather raises on them).
 """
 
 from __future__ import annotations
 
 import functools
 import types
+import warnings
+import weakref
 from contextlib import nullcontext
 
 import torch
@@ -41,6 +44,9 @@ PATCH_KEY = "patch_trl"
 OPTIONAL_OUTPUTS = ("entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
 FUSED_OUTPUTS = ("log_probs", *OPTIONAL_OUTPUTS)
 _ROW_BLOCK = 1024  # rows of (N, V) fp32 logits materialised at once for mean_logits / is_top1
+# Models given exactlogp's fused head while patch_trl() was live: an unpatch cannot give
+# them TRL's head back, so it warns about those still alive (weak: no model is kept).
+_HEADS_WHILE_PATCHED: weakref.WeakSet = weakref.WeakSet()
 
 
 # --- full logits ---
@@ -153,7 +159,8 @@ def chunked_logprobs(
         outputs: which of OPTIONAL_OUTPUTS to compute; the others are None.
     Returns:
         (log_probs, entropy, log_sum_sq_probs, mean_logits, is_top1), each (N,): fp32
-        (is_top1 bool). log_probs and entropy are exactlogp's and differentiable with
+        (is_top1 bool). fp64 hidden states (outside the contract) are computed in fp64 with
+        plain torch, accurate but not bit-invariant, and returned in fp32 as TRL does. log_probs and entropy are exactlogp's and differentiable with
         respect to hidden, weight and bias; log_sum_sq_probs (log sum_v p_v^2, from the
         log-sum-exp at temperature / 2: lse(2z) - 2 lse(z)), mean_logits (mean of z over
         the vocabulary, summed in fp64) and is_top1 (target == argmax z, ties to the
@@ -168,6 +175,8 @@ def chunked_logprobs(
         )
     _rows.check_positive_temperature(temperature)
     compute = _compute_dtype(hidden)
+    if compute == torch.float64:
+        return _fp64_chunked(hidden, weight, bias, targets, temperature, logit_scale, outputs)
     with (
         _no_autocast(hidden.device)
         if torch.is_autocast_enabled(hidden.device.type)
@@ -190,6 +199,66 @@ def chunked_logprobs(
         extras = _extras(result, hidden, head, targets, temperature, logit_scale, outputs)
     entropy = result.entropy if "entropy" in outputs else None
     return (result.logprobs, entropy, *extras)
+
+
+def _fp64_chunked(hidden, weight, bias, targets, temperature, logit_scale, outputs):
+    """`chunked_logprobs` for fp64 hidden states: outside the contract (bf16, fp16, fp32),
+    computed in fp64 with plain torch -- accurate, not bit-invariant -- and returned in
+    TRL's dtypes (fp32, is_top1 bool). Row blocks are checkpointed, so the (rows, V) fp64
+    logits of one block at a time are held, in the forward and in the backward."""
+    from torch.utils.checkpoint import checkpoint
+
+    weight = (weight.full_tensor() if is_dtensor(weight) else weight).to(torch.float64)
+    if bias is not None:
+        bias = (bias.full_tensor() if is_dtensor(bias) else bias).to(torch.float64)
+    hidden = hidden.to(torch.float64)
+    valid = targets != -100
+    ids = targets.masked_fill(~valid, 0).unsqueeze(-1)
+    want_entropy = "entropy" in outputs
+
+    def block(h, i):
+        z = torch.nn.functional.linear(h, weight, bias) * logit_scale / temperature
+        logp = torch.log_softmax(z, -1)
+        picked = logp.gather(-1, i)[..., 0]
+        ent = -(logp.exp() * logp).sum(-1) if want_entropy else picked.new_zeros(())
+        return picked, ent
+
+    picked, ents, sq, means, tops = [], [], [], [], []
+    for lo in range(0, hidden.shape[0], _ROW_BLOCK):
+        h, i = hidden[lo : lo + _ROW_BLOCK], ids[lo : lo + _ROW_BLOCK]
+        if torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad for t in (h, weight, bias)
+        ):
+            p, e = checkpoint(block, h, i, use_reentrant=False)
+        else:
+            p, e = block(h, i)
+        picked.append(p)
+        ents.append(e)
+        with torch.no_grad():
+            z = torch.nn.functional.linear(h, weight, bias) * logit_scale / temperature
+            if "log_sum_sq_probs" in outputs:
+                sq.append(torch.logsumexp(2 * z, -1) - 2 * torch.logsumexp(z, -1))
+            if "mean_logits" in outputs:
+                means.append(z.mean(-1))
+            if "is_top1" in outputs:
+                tops.append(z.argmax(-1) == targets[lo : lo + _ROW_BLOCK])
+
+    def cat(parts, wanted, mask=False):
+        if not wanted:
+            return None
+        out = torch.cat(parts) if parts else hidden.new_empty((0,))
+        if mask:  # -100 gives 0, as exactlogp's log_probs and entropy do
+            out = out.masked_fill(~valid, 0)
+        return out if out.dtype == torch.bool else out.to(torch.float32)
+
+    top = (torch.cat(tops) if tops else valid[:0]) if "is_top1" in outputs else None
+    return (
+        cat(picked, True, mask=True),
+        cat(ents, want_entropy, mask=True),
+        cat(sq, "log_sum_sq_probs" in outputs),
+        cat(means, "mean_logits" in outputs),
+        top,
+    )
 
 
 class ChunkedLogProbFunction:
@@ -245,6 +314,8 @@ def add_fused_lm_head(
         )  # fmt: skip
 
     model.forward = types.MethodType(forward, model)
+    if _patching.active(PATCH_KEY) is not None:
+        _HEADS_WHILE_PATCHED.add(model)
 
 
 def _fused_forward(model, backbone, text_config, args, kwargs, labels, shift_labels,
@@ -456,13 +527,56 @@ def patch_trl(*, out_dtype: torch.dtype | None = None) -> _patching.PatchHandle:
         )
     ]
     sites.append(_patching.Site("trl.trainer", "add_fused_lm_head", add_fused_lm_head))
-    return _patching.apply(PATCH_KEY, sites, {"out_dtype": out_dtype})
+    return _patching.apply(PATCH_KEY, sites, {"out_dtype": out_dtype}, on_undo=_warn_left_behind)
 
 
 @_patching.atomic
 def unpatch_trl() -> bool:
-    """Restore TRL's own functions; False if `patch_trl` was not applied."""
+    """Restore TRL's own functions; False if `patch_trl` was not applied.
+
+    Restored: every binding `patch_trl` swapped (also copies made while patched), so models
+    given TRL's head before the patch and everything built afterwards are TRL's again. Not
+    restored: a model given exactlogp's fused head while patched (TRL's trainers do it at
+    construction) keeps it; a RuntimeWarning names those still alive.
+    """
     return _patching.undo(PATCH_KEY)
+
+
+def _warn_left_behind() -> None:
+    models = list(_HEADS_WHILE_PATCHED)
+    if models:
+        import gc
+
+        del models
+        gc.collect()  # the head's forward refers to its model: a cycle only gc frees
+        models = list(_HEADS_WHILE_PATCHED)
+    _HEADS_WHILE_PATCHED.clear()
+    if not models:
+        return
+    names = ", ".join(f"{type(m).__name__} at {id(m):#x}" for m in models[:5])
+    more = f" and {len(models) - 5} more" if len(models) > 5 else ""
+    warnings.warn(
+        f"unpatch_trl: TRL's functions are restored, but {len(models)} model(s) given "
+        f"exactlogp's fused LM head by add_fused_lm_head while patch_trl() was live ("
+        f"{names}{more}) keep it: their forward(..., fused_lm_head=True) still computes "
+        "with exactlogp. Build the model (and its trainer) again after unpatch_trl() for "
+        "TRL's head.",
+        RuntimeWarning,
+        stacklevel=_caller_level(),
+    )
+
+
+def _caller_level() -> int:
+    """warnings.warn's stacklevel of the first frame outside this package (the caller of
+    unpatch_trl() or handle.undo())."""
+    import os
+    import sys
+
+    here = os.path.dirname(__file__)
+    frame, level = sys._getframe(1), 1
+    while frame is not None and os.path.dirname(frame.f_code.co_filename) == here:
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _with_out_dtype(out_dtype) -> dict:
