@@ -20,6 +20,11 @@ from exactlogp.integrations import autopatch
 
 ROOT = Path(__file__).resolve().parents[1]
 PTH = ROOT / "src" / "exactlogp-autopatch.pth"
+# no finder of the hook in sys.meta_path: nothing can patch a host when it is imported
+NO_FINDER = (
+    "import sys; assert not any(type(f).__module__.startswith('_exactlogp_autopatch') "
+    "for f in sys.meta_path), sys.meta_path; print('NO FINDER')"
+)
 PATCHED = (
     "import trl.trainer.utils as u, exactlogp.integrations.trl as x; "
     "print('PATCHED' if u.selective_log_softmax is x.selective_log_softmax else 'PLAIN')"
@@ -66,9 +71,9 @@ def test_a_host_imported_before_the_hook_is_patched_at_once():
 
 
 def test_nothing_happens_without_the_variable():
-    done = _run("import sys; assert '_exactlogp_autopatch' not in sys.modules; " + PATCHED, None)
+    done = _run("import sys; assert '_exactlogp_autopatch' not in sys.modules; " + NO_FINDER, None)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "PLAIN"
+    assert done.stdout.strip() == "NO FINDER"
 
 
 def test_vllm_is_left_to_its_plugin_and_nothing_is_imported():
@@ -94,9 +99,9 @@ def test_vllm_is_left_to_its_plugin_and_nothing_is_imported():
 )
 def test_a_bad_value_warns_and_patches_nothing(value, vocab, named):
     extra = {} if vocab is None else {"EXACTLOGP_VOCAB_SIZE": vocab}
-    done = _run("import trl; " + PATCHED, value, **extra)
+    done = _run(NO_FINDER, value, **extra)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "PLAIN"
+    assert done.stdout.strip() == "NO FINDER"
     assert "RuntimeWarning" in done.stderr and named in done.stderr
     assert "nothing is patched" in done.stderr
 
