@@ -21,22 +21,31 @@ from exactlogp.temperature import ONE
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
-    """A private cache holding one freshly built, verified library (one compile)."""
+    """A private cache holding one freshly built, verified library: the one compile of this
+    module, a rebuild. The cache first holds the library this session uses (built by the
+    default cache once) cut to a third, with its SHA-256 record, as a crash mid-write
+    leaves it. -> (cache, the rebuilt library, the good library's bytes, the stat of the
+    record it replaced)."""
+    good = cpu_build.build()  # the default cache's, as backend="cpu" loads it
     root = tmp_path_factory.mktemp("cache")
     os.chmod(root, 0o700)
+    good_bytes = good.read_bytes()
+    (root / good.name).write_bytes(good_bytes[: len(good_bytes) // 3])
+    shutil.copyfile(good.with_name(good.name + ".sha256"), root / (good.name + ".sha256"))
+    planted_record = os.stat(root / (good.name + ".sha256"))
     mp = pytest.MonkeyPatch()
     mp.setenv("EXACTLOGP_CACHE_DIR", str(root))
     try:
         path = cpu_build.build()
     finally:
         mp.undo()
-    return root, path
+    return root, path, good_bytes, planted_record
 
 
 @pytest.fixture
 def cache_copy(built, tmp_path, monkeypatch):
     """A private copy of the built cache, named by EXACTLOGP_CACHE_DIR."""
-    root, path = built
+    root, path = built[:2]
     copy = tmp_path / "cache"
     shutil.copytree(root, copy)
     os.chmod(copy, 0o700)
@@ -45,11 +54,12 @@ def cache_copy(built, tmp_path, monkeypatch):
 
 
 def test_build_records_a_sha256_that_load_checks(built):
-    root, path = built
+    root, path, _, planted_record = built
     assert cpu_build.verified(path)
     assert stat.S_IMODE(os.stat(root).st_mode) == 0o700
-    recorded = (root / (path.name + ".sha256")).read_text().strip()
-    assert recorded == cpu_build._file_sha256(path)
+    record = root / (path.name + ".sha256")
+    assert os.stat(record).st_ino != planted_record.st_ino  # written by this build
+    assert record.read_text().strip() == cpu_build._file_sha256(path)
 
 
 def test_a_damaged_or_planted_library_is_not_trusted(cache_copy):
@@ -64,12 +74,12 @@ def test_a_damaged_or_planted_library_is_not_trusted(cache_copy):
     assert not cpu_build.verified(cache_copy)
 
 
-def test_a_truncated_library_is_rebuilt_not_loaded(cache_copy):
-    good = cache_copy.read_bytes()
-    cache_copy.write_bytes(good[: len(good) // 3])
-    path = cpu_build.build()  # one compile
-    assert path == cache_copy and cpu_build.verified(path)
+def test_a_truncated_library_is_rebuilt_not_loaded(built, cache_copy):
+    root, path, good, _ = built  # the fixture's build() found the library cut to a third
+    assert path == root / path.name and cpu_build.verified(path)
     assert len(path.read_bytes()) == len(good)
+    assert cache_copy.name == path.name  # a copy of that cache, named by EXACTLOGP_CACHE_DIR
+    assert cpu_build.build() == cache_copy  # verified: no compile
     cpu_build.load()  # and it loads, with contract.py's constants
 
 

@@ -4,8 +4,9 @@ Every case runs a call that the ranks of the TP group make inconsistently; with
 validate=True every rank must raise a clear ValueError (or its own argument error) within
 seconds, never return numbers, hang or abort; with validate=False every output on every
 rank must be NaN. After each case each rank makes a correct call, which must give the TP=1
-bits: the process group is still usable. One world per size runs all its cases, so the
-process start-up is paid once.
+bits: the process group is still usable. One world of 4 ranks runs every test's cases
+(module fixture `results`), each test's in a process group of its own (the first 2 ranks
+for the 2-rank tests), so the process start-up is paid once.
 """
 
 from __future__ import annotations
@@ -262,17 +263,17 @@ def _check(results, names, expected):
             assert_bitwise_equal(ent, expected[1], f"{what}: the call after it")
 
 
-def test_two_ranks_fail_closed_on_every_inconsistency(expected):
+FOUR_RANK_CASES = ["overlap", "gap", "uneven_default_start", "targets", "row_temperature",
+                   "no_rows_on_one_rank", "argument_error", "targets_unvalidated"]  # fmt: skip
+
+
+def test_two_ranks_fail_closed_on_every_inconsistency(expected, results):
     names = list(CASES)
-    results = run_gloo_world(2, cases_worker, names, make_inputs(), timeout=300)
-    _check(results, names, expected)
+    _check(results["two_ranks"], names, expected)
 
 
-def test_four_ranks_fail_closed_on_layouts_and_rows(expected):
-    names = ["overlap", "gap", "uneven_default_start", "targets", "row_temperature",
-             "no_rows_on_one_rank", "argument_error", "targets_unvalidated"]  # fmt: skip
-    results = run_gloo_world(4, cases_worker, names, make_inputs(), timeout=300)
-    _check(results, names, expected)
+def test_four_ranks_fail_closed_on_layouts_and_rows(expected, results):
+    _check(results["four_ranks"], FOUR_RANK_CASES, expected)
 
 
 # --- a rank outside the group, and threads ---
@@ -291,8 +292,9 @@ def non_member_worker(rank, world, group, inputs):
     return good_call(rank, 2, pair, inputs)
 
 
-def test_a_rank_outside_the_group_raises_clearly_and_the_members_go_on(expected):
-    results = run_gloo_world(3, non_member_worker, make_inputs(), timeout=240)
+def test_a_rank_outside_the_group_raises_clearly_and_the_members_go_on(expected, results):
+    results = results["non_member"]
+    assert len(results) == 3
     assert results[2].startswith("this process (global rank 2) is not a member of tp_group")
     for lp, ent in results[:2]:
         assert_bitwise_equal(lp, expected[0])
@@ -324,10 +326,11 @@ def threads_worker(rank, world, group, inputs):
     return outcome, good_call(rank, world, group, inputs)
 
 
-def test_threads_sharing_a_group_never_mix_their_calls(expected):
+def test_threads_sharing_a_group_never_mix_their_calls(expected, results):
     x, t = make_inputs()
     own = {"a": t, "b": t.roll(1)}
-    results = run_gloo_world(2, threads_worker, (x, t), timeout=240)
+    results = results["threads"]
+    assert len(results) == 2
     for rank, (outcome, (lp, ent)) in enumerate(results):
         assert_bitwise_equal(ent, expected[1])
         assert set(outcome) == {"a", "b"}, outcome
@@ -360,21 +363,25 @@ def collectives_worker(rank, world, group, inputs, validate):
         return real_gather(parts, tensor, group=group, async_op=async_op)
 
     dist.all_reduce, dist.all_gather = reduce, gather
-    x, t = inputs
-    xs = even_shard(x, rank, world).clone().requires_grad_(True)
-    res = exactlogp.selected_logprobs(
-        xs, t, tp_group=group, vocab_size=VOCAB, with_entropy=True, validate=validate
-    )
-    forward_calls = list(calls)
-    (res.logprobs.sum() + res.entropy.sum() + res.lse.sum()).backward()
+    try:
+        x, t = inputs
+        xs = even_shard(x, rank, world).clone().requires_grad_(True)
+        res = exactlogp.selected_logprobs(
+            xs, t, tp_group=group, vocab_size=VOCAB, with_entropy=True, validate=validate
+        )
+        forward_calls = list(calls)
+        (res.logprobs.sum() + res.entropy.sum() + res.lse.sum()).backward()
+    finally:
+        dist.all_reduce, dist.all_gather = real_reduce, real_gather
     return forward_calls, calls[len(forward_calls) :]
 
 
 @pytest.mark.parametrize("validate", [True, False])
-def test_collectives_per_forward_and_none_in_backward(validate):
+def test_collectives_per_forward_and_none_in_backward(validate, results):
     from exactlogp import agreement
 
-    results = run_gloo_world(2, collectives_worker, make_inputs(), validate, timeout=120)
+    results = results["collectives", validate]
+    assert len(results) == 2
     for forward_calls, backward_calls in results:
         exact = [
             ("all_reduce", "RedOpType.MAX", "torch.float32", (7 * ROWS + 6 + 2 * 2,)),
@@ -383,6 +390,44 @@ def test_collectives_per_forward_and_none_in_backward(validate):
         agree = [("all_gather", "torch.int64", (agreement.VECTOR_LEN,))]
         assert forward_calls == (agree + exact if validate else exact)
         assert backward_calls == []
+
+
+# --- one world for every test above ---
+
+
+def every_test_worker(rank, world, group, inputs):
+    """{test case: this rank's result}. Each case gets a process group of its own, of the
+    first ranks it needs (every rank creates every group, in the same order)."""
+    import torch.distributed as dist
+
+    def first(size):
+        return dist.new_group(list(range(size)))
+
+    out = {}
+    for validate in (True, False):  # first: nothing else has run on these ranks yet
+        pair = first(2)
+        if rank < 2:
+            out["collectives", validate] = collectives_worker(rank, 2, pair, inputs, validate)
+    pair = first(2)
+    if rank < 2:
+        out["two_ranks"] = cases_worker(rank, 2, pair, list(CASES), inputs)
+    out["four_ranks"] = cases_worker(rank, world, first(world), FOUR_RANK_CASES, inputs)
+    if rank < 3:  # a world of 3 as the test describes it; it makes its own pair (0, 1)
+        out["non_member"] = non_member_worker(rank, 3, group, inputs)
+    else:
+        dist.new_group([0, 1])  # that pair: every rank takes part in creating it
+    pair = first(2)
+    if rank < 2:
+        out["threads"] = threads_worker(rank, 2, pair, inputs)
+    return out
+
+
+@pytest.fixture(scope="module")
+def results():
+    """{test case: [each rank's result]}, from one spawned world of 4 ranks."""
+    per_rank = run_gloo_world(4, every_test_worker, make_inputs(), timeout=300)
+    cases = {case for out in per_rank for case in out}
+    return {case: [out[case] for out in per_rank if case in out] for case in cases}
 
 
 def test_field_values_are_shown_as_the_user_wrote_them():

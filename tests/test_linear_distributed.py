@@ -6,10 +6,14 @@ shard, and the whole hidden gradient -- which the op sums over the shards itself
 int64 all_reduce -- must equal TP=1's bitwise on every rank. (Equal bits also mean the
 hidden gradient is not TP times too large: the op does the sum once, and a host must not
 all-reduce it again.) The fail-closed checks of the agreement apply too.
+
+One world of 4 ranks runs every case, each in a process group of its first ranks, so
+process start-up is paid once.
 """
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import exactlogp
 from exactlogp.testing import assert_bitwise_equal, lm_head_inputs, run_gloo_world
@@ -60,16 +64,37 @@ def world_worker(rank, world, group, inputs):
     return out
 
 
+def every_case_worker(rank, world, group, inputs):
+    """{case: this rank's result}: each worker in a process group of its first ranks (every
+    rank creates every group, in the same order); the fail-closed case last."""
+    cases = [(("layouts", size), world_worker, size) for size in (2, 3, 4)]
+    cases += [("sequence_parallel", sequence_parallel_worker, 2), ("disagree", disagree_worker, 2)]
+    out = {}
+    for case, fn, size in cases:
+        sub = group if size == world else dist.new_group(list(range(size)))
+        if rank < size:
+            out[case] = fn(rank, size, sub, inputs)
+    return out
+
+
+@pytest.fixture(scope="module")
+def results():
+    """{case: [each rank's result]}, from one spawned world of 4 ranks."""
+    per_rank = run_gloo_world(4, every_case_worker, make_inputs(), timeout=240)
+    cases = {case for out in per_rank for case in out}
+    return {case: [out[case] for out in per_rank if case in out] for case in cases}
+
+
 @pytest.fixture(scope="module")
 def expected():
     return run(*make_inputs())
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
-def test_every_tp_layout_gives_the_tp1_bits_forward_and_backward(world, expected):
+def test_every_tp_layout_gives_the_tp1_bits_forward_and_backward(world, expected, results):
     outs, dh, dw, db = expected
-    results = run_gloo_world(world, world_worker, make_inputs(), timeout=240)
-    for rank, per_layout in enumerate(results):
+    assert len(results["layouts", world]) == world
+    for rank, per_layout in enumerate(results["layouts", world]):
         for name, (got_outs, got_dh, got_dw, got_db) in per_layout.items():
             lo, hi = layouts(world)[name][0][rank]
             what = f"world {world} rank {rank} {name}"
@@ -108,9 +133,9 @@ def disagree_worker(rank, world, group, inputs):
     return out
 
 
-def test_ranks_with_other_hidden_states_or_sizes_fail_closed():
-    results = run_gloo_world(2, disagree_worker, make_inputs(), timeout=180)
-    for out in results:
+def test_ranks_with_other_hidden_states_or_sizes_fail_closed(results):
+    assert len(results["disagree"]) == 2
+    for out in results["disagree"]:
         kind, text = out["hidden"]
         assert kind == "raised" and "disagree on the hidden states of row[7]" in text, text
         kind, value = out["hidden_nan"]
@@ -136,13 +161,13 @@ def sequence_parallel_worker(rank, world, group, inputs):
     return res.logprobs, shard.grad
 
 
-def test_sequence_parallel_hidden_gets_its_slice_of_the_gradient_once():
+def test_sequence_parallel_hidden_gets_its_slice_of_the_gradient_once(results):
     h, w, bias, t = make_inputs()
     hh = h.clone().requires_grad_(True)
     want = exactlogp.linear_selected_logprobs(hh, w, t)
     want.logprobs.sum().backward()
-    results = run_gloo_world(2, sequence_parallel_worker, make_inputs(), timeout=180)
     per = ROWS // 2
-    for rank, (lp, grad) in enumerate(results):
+    assert len(results["sequence_parallel"]) == 2
+    for rank, (lp, grad) in enumerate(results["sequence_parallel"]):
         assert_bitwise_equal(lp, want.logprobs)
         assert_bitwise_equal(grad, hh.grad[rank * per : (rank + 1) * per])
