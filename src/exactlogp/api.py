@@ -7,6 +7,8 @@ algorithm, batch composition, repeat and backend (exactlogp.CONTRACT).
 
 from __future__ import annotations
 
+import functools
+import sys
 from typing import NamedTuple
 
 import torch
@@ -17,13 +19,36 @@ from .backends.base import row_view
 from .call import Call, cached, device_of, make_call, static_key, tensor_key
 
 
+def eager_only(fn):
+    """`fn` as a graph break under torch.compile (torch.compiler.disable: it runs eagerly,
+    with its eager bits), without importing torch._dynamo (~0.9 s, in every process that
+    imports exactlogp) before something else has: until then nothing can be compiling, so
+    `fn` runs as it is; from then on through torch.compiler.disable(fn). The wrapper is
+    marked as disabled too, so that Dynamo does not trace into it."""
+    if "torch._dynamo" in sys.modules:
+        return torch.compiler.disable(fn)
+    disabled = None
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        nonlocal disabled
+        if "torch._dynamo" not in sys.modules:
+            return fn(*args, **kwargs)
+        if disabled is None:
+            disabled = torch.compiler.disable(fn)
+        return disabled(*args, **kwargs)
+
+    call._torchdynamo_disable = True  # Dynamo's mark of a disabled function
+    return call
+
+
 class LogprobResult(NamedTuple):
     logprobs: torch.Tensor  # shape of target, fp32
     entropy: torch.Tensor | None  # shape of target, fp32; None unless with_entropy
     lse: torch.Tensor  # shape of target, fp32: log-sum-exp of y over the real, kept vocab
 
 
-@torch.compiler.disable
+@eager_only
 def selected_logprobs(
     vocab_parallel_logits: torch.Tensor,
     target: torch.Tensor,

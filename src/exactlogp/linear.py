@@ -29,7 +29,7 @@ import torch
 
 from . import agreement, contract, distributed, validation
 from . import linear_contract as lc
-from .api import LogprobResult, shaped_result
+from .api import LogprobResult, eager_only, shaped_result
 from .autograd import (
     Forward,
     forward_pipeline,
@@ -391,7 +391,7 @@ def _combine(parts: list[Forward], n: int, device) -> Forward:
 # --- the public functions ---
 
 
-@torch.compiler.disable
+@eager_only
 def linear_logits(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -414,7 +414,7 @@ def linear_logits(
     return out.view(*hidden.shape[:-1], weight.shape[0])
 
 
-@torch.compiler.disable
+@eager_only
 def linear_selected_logprobs(
     hidden: torch.Tensor,
     weight: torch.Tensor,
