@@ -417,6 +417,18 @@ def _call_values(key: int, group: distributed.Group, layout: Layout, device) -> 
     return found
 
 
+def as_pairs(values: torch.Tensor) -> torch.Tensor:
+    """values (any shape) flattened, then their negations: after an all_reduce(MAX) each
+    half holds the max and minus the min over ranks (read with from_pairs)."""
+    flat = values.reshape(-1)
+    return torch.cat([flat, -flat])
+
+
+def from_pairs(reduced: torch.Tensor, k: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(max, min) over ranks, each (k, n), of k x n values reduced as as_pairs' pairs."""
+    return reduced[: k * n].view(k, n), -reduced[k * n : 2 * k * n].view(k, n)
+
+
 def max_payload(
     row_max: torch.Tensor,  # (N,) fp32 local maxima
     target: torch.Tensor,  # (N,) int64
@@ -430,9 +442,13 @@ def max_payload(
     rows = _row_values(target, temperature)
     if row_fields is not None:
         rows = torch.cat([rows, row_fields.to(torch.float32)])
-    parts = [row_max.to(torch.float32), rows.reshape(-1), (-rows).reshape(-1)]
-    parts.append(_call_values(key, group, layout, row_max.device))
-    return torch.cat(parts)
+    return torch.cat(
+        [
+            row_max.to(torch.float32),
+            as_pairs(rows),
+            _call_values(key, group, layout, row_max.device),
+        ]
+    )
 
 
 def read_max(
@@ -446,17 +462,16 @@ def read_max(
     n = num_rows
     k = _ROW_FIELDS + (0 if row_fields is None else row_fields.shape[0])
     row_max = reduced[:n]
-    hi = reduced[n : n + k * n].view(k, n)
-    neg = reduced[n + k * n : n + 2 * k * n].view(k, n)
-    differs = hi != -neg  # max != min
+    hi, lo = from_pairs(reduced[n:], k, n)
+    differs = hi != lo
     rows = differs.any(dim=0)
     rest = reduced[n + 2 * k * n :]
-    key_hi, key_neg = rest[:_KEY_CHUNKS], rest[_KEY_CHUNKS : 2 * _KEY_CHUNKS]
+    key_hi, key_lo = from_pairs(rest, 1, _KEY_CHUNKS)
     starts = rest[2 * _KEY_CHUNKS : 2 * _KEY_CHUNKS + group.size].to(torch.float64)
     widths = rest[2 * _KEY_CHUNKS + group.size :].to(torch.float64)
-    call = (key_hi != -key_neg).any() | ~_tiles(starts, widths, vocab_size)
+    call = (key_hi != key_lo).any() | ~_tiles(starts, widths, vocab_size)
     poison = (rows.any() | call).expand(n)
-    return row_max, RankCheck(poison, rows, call, hi[0], -neg[0], differs)
+    return row_max, RankCheck(poison, rows, call, hi[0], lo[0], differs)
 
 
 def _tiles(starts: torch.Tensor, widths: torch.Tensor, vocab_size: int | None) -> torch.Tensor:

@@ -238,15 +238,16 @@ class BackwardCheck:
 
     def payload(self) -> torch.Tensor:
         key = torch.full((1,), self.call.call_key, dtype=torch.int64, device=self.rows.device)
-        return torch.cat([self.rows.reshape(-1), -self.rows.reshape(-1), key, -key])
+        return torch.cat([agreement.as_pairs(self.rows), agreement.as_pairs(key)])
 
     def read(self, reduced: torch.Tensor) -> torch.Tensor:
         """() bool on the device: any value differed between ranks. validate=True: raises
         on every rank (one host sync) naming the first row and value that differ."""
         k, n = self.rows.shape
-        hi, neg = reduced[: k * n].view(k, n), reduced[k * n : 2 * k * n].view(k, n)
-        differs = hi != -neg
-        key_differs = reduced[-2] != -reduced[-1]
+        hi, lo = agreement.from_pairs(reduced, k, n)
+        differs = hi != lo
+        key_hi, key_lo = agreement.from_pairs(reduced[2 * k * n :], 1, 1)
+        key_differs = (key_hi != key_lo).any()
         disagree = differs.any() | key_differs
         if self.call.validate and bool(disagree):
             if bool(key_differs):
