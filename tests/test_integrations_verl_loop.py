@@ -5,10 +5,10 @@ In verl 0.9.1 `ActorRolloutRefWorker.compute_log_prob` (the successor of
 batch's defaults and calls the engine's `infer_batch`. The worker module does not import
 here (its rollout-server imports need uvicorn, which verl's dependencies do not bring), so
 this test drives the engine the worker wraps: a real `FSDPEngineWithLMHead` (FSDP2,
-`fully_shard`) over a 1-rank gloo group of this process, built from a tiny Qwen3 saved to the test's own
-temporary directory, fed by verl's own `left_right_2_no_padding` with the keys the worker
-and the PPO trainer's `_compute_old_log_prob` set, its output read back with verl's own
-`no_padding_2_padding` (the trainer's `old_log_probs`). What is not verl's here:
+`fully_shard`) over a 1-rank gloo group of this process, built from a tiny Qwen3 saved to
+the test's own temporary directory, fed by verl's own `left_right_2_no_padding` with the
+keys the worker and the PPO trainer's `_compute_old_log_prob` set, its output read back
+with verl's own `no_padding_2_padding` (the trainer's `old_log_probs`). Not verl's here:
 - `_CpuPlatformStandIn`: verl 0.9.1 has no CPU platform (it falls back to CUDA), so a
   platform whose device is the CPU is installed through verl's `set_platform`;
 - verl's model patch is told TRL is absent: with TRL 1.16 installed it imports
@@ -35,7 +35,7 @@ import pytest
 import torch
 
 import exactlogp
-from exactlogp.integrations import verl
+from exactlogp.integrations.verl import patch_verl, unpatch_verl
 from exactlogp.worlds import single_rank
 
 VOCAB = 300
@@ -171,12 +171,12 @@ def verl_on_cpu(monkeypatch):
     monkeypatch.setattr(verl_model_patch, "is_trl_available", lambda: False)  # see above
     # use_fused_kernels=True makes verl replace the model class's forward
     monkeypatch.setattr(Qwen3ForCausalLM, "forward", Qwen3ForCausalLM.forward)
-    verl.patch_verl()  # before the engine is built, as the docs say
+    patch_verl()  # before the engine is built, as the docs say
     try:
         with single_rank(torch.device("cpu"), timeout=120):
             yield
     finally:
-        verl.unpatch_verl()
+        unpatch_verl()
 
 
 def _old_log_probs(model_dir, fused):
