@@ -111,8 +111,9 @@ def test_grpo_trains_two_steps_and_every_logprob_is_exactlogps(tmp_path, patched
     _save_tiny_model(tmp_path / "model")
     dataset = Dataset.from_dict({"prompt": ["w1 w2 w3", "w4 w5"]})
 
-    def reward_length(completions, **kwargs):
-        return [float(len(c)) for c in completions]
+    def reward_alternating(completions, **kwargs):
+        # the two completions of each prompt always differ in reward: nonzero advantages
+        return [float(i % 2) for i in range(len(completions))]
 
     args = GRPOConfig(
         output_dir=str(tmp_path / "out"), max_steps=2, per_device_train_batch_size=4,
@@ -121,7 +122,7 @@ def test_grpo_trains_two_steps_and_every_logprob_is_exactlogps(tmp_path, patched
         report_to=[], save_strategy="no", disable_tqdm=True, logging_steps=1, seed=0,
     )  # fmt: skip
     trainer = GRPOTrainer(
-        model=str(tmp_path / "model"), reward_funcs=reward_length, args=args,
+        model=str(tmp_path / "model"), reward_funcs=reward_alternating, args=args,
         train_dataset=dataset,
     )  # fmt: skip
     assert trainer.ref_model is not None
