@@ -62,7 +62,8 @@ def _linear_fields(hidden, bias, scale: float) -> dict:
 
 
 class _Weight:
-    """The weight shard's exponents, quantized one block of rows at a time."""
+    """The weight shard's exponents, quantized one block of rows at a time -- or, on a
+    backend with a fused head, sliced once into its int8 diagonal layout."""
 
     def __init__(self, weight, bias, scale: float, backend):
         self.weight, self.bias, self.scale, self.backend = weight, bias, scale, backend
@@ -70,33 +71,58 @@ class _Weight:
         self.col_scale = lc.unit_scales(self.f, self.finite)
         h = max(weight.shape[1], 1)
         self.block = max(1, WEIGHT_BLOCK_ELEMENTS // h)
+        self.fused = backend.fused_head(weight.device)
+        self._c3 = None
+
+    @property
+    def c3(self) -> torch.Tensor:
+        """(V_local, 3H) int8: the fused head's weight layout, made on first use."""
+        if self._c3 is None:
+            self._c3 = self.backend.head_slices(self.weight, self.f, self.finite, reverse=False)
+        return self._c3
 
     def slices(self, size: int):
         for v0 in range(0, self.weight.shape[0], size):
             yield slice(v0, min(v0 + size, self.weight.shape[0]))
 
+    def quantized(self, rows: slice) -> torch.Tensor:
+        """(P, H) fp64: the integers of these weight rows."""
+        return lc.quantize(self.weight[rows], self.f[rows], self.finite[rows])
+
     def blocks(self, size: int | None = None):
         """(slice, quantized rows (P, H) fp64) over the shard's rows."""
         for rows in self.slices(size or self.block):
-            yield rows, lc.quantize(self.weight[rows], self.f[rows], self.finite[rows])
+            yield rows, self.quantized(rows)
 
-    def logits(self, a, row_scale, rows: slice, c, out=None) -> torch.Tensor:
+    def hidden(self, hidden):
+        """(integers, row scales 2^(e - 2 QBITS) or NaN) of hidden rows: fp64 (R, H), or the
+        (R, 3H) int8 diagonal layout on a fused head."""
+        e, finite = lc.row_exponents(hidden)
+        if self.fused:
+            a = self.backend.head_slices(hidden, e, finite, reverse=True)
+        else:
+            a = lc.quantize(hidden, e, finite)
+        return a, lc.unit_scales(e - 2 * lc.QBITS, finite)
+
+    def logits(self, a, row_scale, rows: slice, c=None, out=None) -> torch.Tensor:
+        """(R, P) fp32 logits of weight rows `rows` (their integers c; a fused head reads
+        its own layout)."""
         bias = None if self.bias is None else self.bias[rows]
+        if self.fused:
+            return self.backend.head_logits(
+                a, row_scale, self.c3[rows], self.col_scale[rows], bias, self.scale, out
+            )
         return lc.logits_block(
             a, row_scale, c, self.col_scale[rows], bias, self.scale, self.backend.exact_dot, out
         )
 
 
-def _hidden(hidden):
-    """(integers, row scales 2^(e - 2 QBITS) or NaN) of hidden rows."""
-    e, finite = lc.row_exponents(hidden)
-    return lc.quantize(hidden, e, finite), lc.unit_scales(e - 2 * lc.QBITS, finite)
-
-
 def _logits(hidden, w: _Weight) -> torch.Tensor:
     """(R, V_local) fp32: contract exactlogp-linear-v1 for these rows."""
-    a, row_scale = _hidden(hidden)
+    a, row_scale = w.hidden(hidden)
     out = torch.empty(hidden.shape[0], w.weight.shape[0], dtype=torch.float32, device=a.device)
+    if w.fused:  # one kernel over the whole shard
+        return w.logits(a, row_scale, slice(0, w.weight.shape[0]), out=out)
     for rows, c in w.blocks():
         w.logits(a, row_scale, rows, c, out[:, rows])
     return out
@@ -164,18 +190,18 @@ class LinearSelectedLogprobsFunction(torch.autograd.Function):
         call = ctx.call
         scale = call.linear.logit_scale
         w = _Weight(weight, bias, scale, call.backend)
-        a, row_scale = _hidden(hidden)
+        a, row_scale = w.hidden(hidden)
         grads = _Grads(hidden, w, ~stats.silent, ctx.needs_input_grad)
         block = _grad_block(hidden.shape[0])
 
-        def dlogits(rows: slice, c) -> torch.Tensor:  # (N, P) fp64: dL/dz * logit_scale
+        def dlogits(rows: slice, c=None) -> torch.Tensor:  # (N, P) fp64: dL/dz * logit_scale
             z = w.logits(a, row_scale, rows, c)
             plan = replace(call.plan, vocab_start=call.plan.vocab_start + rows.start)
             g = call.backend.grad(z, target, tau, None, stats, plan).to(torch.float64)
             return g if scale == 1.0 else g.mul_(scale)  # exact
 
-        for rows, c in w.blocks(block):  # pass 1
-            g = dlogits(rows, c)
+        for rows in w.slices(block):  # pass 1
+            g = dlogits(rows, None if w.fused else w.quantized(rows))
             grads.weight_block(rows, g)
             grads.track(rows, g)
         if not grads.needs_hidden:  # no collective: nothing the ranks must pair
