@@ -63,8 +63,14 @@ def test_gpu_check_runs_end_to_end_in_the_interpreter(tmp_path):
     assert {r["output"] for r in drawn} == set(Finalized._fields)
     # every stage ran and was written (bandwidth needs CUDA)
     cuda = torch.cuda.is_available()
-    stages = ["bits", "fused", "latency", *(["bandwidth"] if cuda else []), "ptx"]
+    stages = ["bits", "fused", "latency", *(["bandwidth"] if cuda else []), "ptx", "profile"]
     assert report["stages_done"] == stages
+    # where the time goes: every part ran and the probe's integers were checked
+    prof = report["profile"]
+    assert {r["call"] for r in prof["kernels"]} >= {"core op forward", "core op forward+backward"}
+    assert all(r["kernels"] for r in prof["kernels"]) and len(prof["host"]) == 2
+    assert len(prof["ceilings"]) == 5 and len(prof["bf16_probe"]) == 6
+    assert all(r["wrong"] == 0 for r in prof["bf16_probe"]) or cuda  # numpy adds exactly
     # batch invariance: three heads x two batch sizes; the exact head agrees with itself
     assert len(report["invariance"]) == 6
     exact = [r for r in report["invariance"] if r["must_agree"]]
