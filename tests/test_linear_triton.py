@@ -15,8 +15,8 @@ pytest.importorskip("triton", reason="Triton is not installed: no Triton backend
 import exactlogp  # noqa: E402
 from exactlogp import linear_contract as lc  # noqa: E402
 from exactlogp.backends import get_backend  # noqa: E402
-from exactlogp.backends.triton import linear_kernels  # noqa: E402
-from exactlogp.backends.triton.launch import FP64_RICH_CAPABILITIES, TritonBackend  # noqa: E402
+from exactlogp.backends.triton import launch, linear_kernels  # noqa: E402
+from exactlogp.backends.triton.launch import TritonBackend, fp64_rich  # noqa: E402
 from exactlogp.testing import assert_bitwise_equal, lm_head_inputs  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -41,7 +41,7 @@ def test_exact_dot_is_the_integer_product_on_ragged_tiles():
 
 
 def test_exact_gemm_option_picks_a_path_and_refuses_unknown_modes():
-    rich = DEVICE.type == "cuda" and torch.cuda.get_device_capability() in FP64_RICH_CAPABILITIES
+    rich = fp64_rich(DEVICE)
     assert TritonBackend().gemm_path(DEVICE) == ("fp64" if rich else "int8")
     assert TritonBackend().gemm_path(torch.device("cpu")) == "int8"
     assert TritonBackend(exact_gemm="fp64").gemm_path(torch.device("cpu")) == "fp64"
@@ -53,6 +53,29 @@ def test_exact_gemm_option_picks_a_path_and_refuses_unknown_modes():
     with pytest.raises(AttributeError, match="immutable"):
         impl.exact_gemm = "fp64"
     assert impl.exact_gemm == "auto" and impl.with_options(exact_gemm="fp64").exact_gemm == "fp64"
+
+
+@pytest.mark.parametrize(
+    ("name", "capability", "rich"),
+    [("NVIDIA H200", (9, 0), True), ("NVIDIA H100 80GB HBM3", (9, 0), True),
+     ("NVIDIA H20", (9, 0), False), ("NVIDIA H20-3e", (9, 0), False),
+     ("NVIDIA A100-SXM4-80GB", (8, 0), True), ("NVIDIA L40S", (8, 9), False),
+     ("NVIDIA GeForce RTX 4090", (8, 9), False)],
+)  # fmt: skip
+def test_auto_routes_follow_the_device_name_not_the_capability_alone(
+    monkeypatch, name, capability, rich
+):
+    """An H20 is sm_90 like an H200 but has ~1 TFLOP/s of fp64: no DGEMM route, and the
+    value tables; a name in MEASURED_GEMM_ROUTES takes its measured route."""
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    gpu = torch.device("cuda", 0)
+    assert fp64_rich(gpu) is rich
+    assert TritonBackend().gemm_path(gpu) == ("fp64" if rich else "int8")
+    part = name.split()[1].split("-")[0]  # "H20-3e": the part H20
+    monkeypatch.setattr(launch, "MEASURED_GEMM_ROUTES", {part: "int8_fused"})
+    assert TritonBackend().gemm_path(gpu) == "int8_fused"
+    assert TritonBackend(exact_gemm="fp64").gemm_path(gpu) == "fp64"  # an explicit route wins
 
 
 def test_exact_dot_takes_the_path_its_option_names(monkeypatch):
