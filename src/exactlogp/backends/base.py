@@ -35,6 +35,8 @@ def row_view(t: torch.Tensor) -> torch.Tensor:
     """(..., V) as rows without a copy: (N, V) where the leading dims merge into one, else
     (B, T, V) where they merge into two (logits[:, :-1, :] of (B, T + 1, V) logits: its
     rows are not evenly spaced), else a copy as (N, V). Backends read all three."""
+    if t.dim() == 2:  # already rows
+        return t
     v = t.shape[-1]
     n = math.prod(t.shape[:-1])
     try:
