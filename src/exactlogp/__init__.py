@@ -8,6 +8,7 @@ from .linear import (
     linear_logits,
     linear_selected_logprobs,
 )
+from .prepared import PreparedLMHead, prepare_lm_head
 from .warmup import warmup
 
 __version__ = "0.1.0"
@@ -16,11 +17,13 @@ __all__ = [
     "CONTRACT",
     "LOGITS_CONTRACT",
     "LogprobResult",
+    "PreparedLMHead",
     "SelectedLogprobs",
     "__version__",
     "gather_sequence_parallel",
     "linear_logits",
     "linear_selected_logprobs",
+    "prepare_lm_head",
     "selected_logprobs",
     "warmup",
 ]
