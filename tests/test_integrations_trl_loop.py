@@ -21,9 +21,10 @@ import torch
 
 import exactlogp
 from exactlogp.integrations import trl
+from tiny_models import save_tiny_qwen3, words
 
 VOCAB = 300
-WORDS = [f"w{i}" for i in range(VOCAB - 3)]
+WORDS = words(VOCAB)
 TEMPERATURE = 0.7
 
 
@@ -34,26 +35,6 @@ def patched():
     with warnings.catch_warnings():  # the trainer's models keep exactlogp's head, as it says
         warnings.filterwarnings("ignore", "unpatch_trl: TRL's functions", RuntimeWarning)
         trl.unpatch_trl()
-
-
-def _save_tiny_model(path) -> None:
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
-
-    vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2} | {w: i + 3 for i, w in enumerate(WORDS)}
-    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>"
-    )
-    torch.manual_seed(0)
-    config = Qwen3Config(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-        pad_token_id=0, eos_token_id=1, bos_token_id=None,
-    )  # fmt: skip
-    Qwen3ForCausalLM(config).save_pretrained(path)
-    tokenizer.save_pretrained(path)
 
 
 class _Recorder:
@@ -108,7 +89,7 @@ def test_grpo_trains_two_steps_and_every_logprob_is_exactlogps(tmp_path, patched
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
-    _save_tiny_model(tmp_path / "model")
+    save_tiny_qwen3(tmp_path / "model", VOCAB)
     dataset = Dataset.from_dict({"prompt": ["w1 w2 w3", "w4 w5"]})
 
     def reward_alternating(completions, **kwargs):

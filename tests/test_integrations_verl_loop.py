@@ -37,30 +37,11 @@ import torch
 import exactlogp
 from exactlogp.integrations.verl import patch_verl, unpatch_verl
 from exactlogp.worlds import single_rank
+from tiny_models import save_tiny_qwen3
 
 VOCAB = 300
 TEMPERATURE = 0.7
 B, PROMPT, RESPONSE = 4, 5, 4
-
-
-def _save_tiny_model(path) -> None:
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
-
-    vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2} | {f"w{i}": i + 3 for i in range(VOCAB - 3)}
-    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>"
-    )
-    torch.manual_seed(0)
-    config = Qwen3Config(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-        pad_token_id=0, eos_token_id=1, bos_token_id=None, tie_word_embeddings=True,
-    )  # fmt: skip
-    Qwen3ForCausalLM(config).save_pretrained(path)
-    tokenizer.save_pretrained(path)
 
 
 def _batch():
@@ -243,7 +224,7 @@ def _old_log_probs(model_dir, fused):
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("verl-model")
-    _save_tiny_model(path)
+    save_tiny_qwen3(path, VOCAB, tie_word_embeddings=True)
     return str(path)
 
 
