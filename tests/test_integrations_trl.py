@@ -451,7 +451,7 @@ def test_unpatch_warns_about_models_that_keep_exactlogps_head():
         gc.collect()
         assert _head_owner(kept) == "exactlogp"
         assert trl_utils._ChunkedLogProbFunction is trl.ChunkedLogProbFunction
-        with pytest.warns(RuntimeWarning, match=r"1 model\(s\) .*\(Qwen3ForCausalLM at 0x") as w:
+        with pytest.warns(RuntimeWarning, match=r"1 object\(s\) .*\(Qwen3ForCausalLM at 0x") as w:
             assert trl.unpatch_trl() is True
         assert w[0].filename == __file__  # points at the call
     finally:
@@ -475,7 +475,7 @@ def test_handle_undo_warns_too():
     try:
         model = tiny_model()
         trl_utils.add_fused_lm_head(model)
-        with pytest.warns(RuntimeWarning, match="unpatch_trl: TRL's functions are restored"):
+        with pytest.warns(RuntimeWarning, match="unpatch_trl: the host's functions are restored"):
             handle.undo()
     finally:
         handle.undo()

@@ -33,7 +33,7 @@ def patched():
     handle = trl.patch_trl()
     yield handle
     with warnings.catch_warnings():  # the trainer's models keep exactlogp's head, as it says
-        warnings.filterwarnings("ignore", "unpatch_trl: TRL's functions", RuntimeWarning)
+        warnings.filterwarnings("ignore", "unpatch_trl: the host's functions", RuntimeWarning)
         trl.unpatch_trl()
 
 

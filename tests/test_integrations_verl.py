@@ -7,6 +7,7 @@ patch_verl side by side with the real verl 0.9 (installed by `make setup`).
 from __future__ import annotations
 
 import re
+import warnings
 
 import pytest
 import torch
@@ -210,6 +211,35 @@ def test_an_engine_built_before_the_patch_is_detected_and_fixed():
         assert bound._torchdynamo_orig_callable is verl.entropy_from_logits
     finally:
         handle.undo()
+
+
+def test_unpatch_names_the_engines_that_keep_exactlogps_entropy():
+    import gc
+
+    from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
+
+    handle = verl.patch_verl()
+    try:
+        kept = object.__new__(FSDPEngineWithLMHead)  # built while patched: its __init__
+        kept.compute_entropy_from_logits = verl_F.entropy_from_logits  # binds exactlogp's
+        dropped = object.__new__(FSDPEngineWithLMHead)
+        dropped.compute_entropy_from_logits = verl_F.entropy_from_logits
+        for engine in (kept, dropped):
+            with pytest.raises(Exception):  # noqa: B017 (the engine itself is a bare shell)
+                engine.prepare_model_outputs(None, {}, None, None)
+        del dropped, engine
+        gc.collect()
+        with pytest.warns(RuntimeWarning, match=r"unpatch_verl: .* 1 object\(s\) .*"
+                          r"\(FSDPEngineWithLMHead at 0x.*exactlogp's entropy") as w:  # fmt: skip
+            assert verl.unpatch_verl() is True
+        assert w[0].filename == __file__  # points at the call
+        assert kept.compute_entropy_from_logits is verl.entropy_from_logits  # as it says
+    finally:
+        handle.undo()
+    with warnings.catch_warnings():  # named once: the next cycle has nothing to name
+        warnings.simplefilter("error")
+        verl.patch_verl()
+        assert verl.unpatch_verl() is True
 
 
 def test_patch_verl_vocab_size_leaves_megatron_padding_out(monkeypatch):

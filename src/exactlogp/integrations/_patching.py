@@ -261,3 +261,35 @@ def _unique(swaps: list[_Swap]) -> list[_Swap]:
             seen.add(ident)
             out.append(swap)
     return out
+
+
+# --- objects that keep a patched function after the unpatch ---
+
+
+def warn_kept(kept, unpatch: str, what: str, advice: str) -> None:
+    """After `unpatch` restored the host: a RuntimeWarning naming the objects of the weak
+    set `kept` (filled while patched) still alive -- `what` they keep, `advice` for the
+    user -- and `kept` emptied. Objects freed only by the cycle collector are collected
+    first, so that only live ones are named."""
+    import gc
+    import os
+    import sys
+    import warnings
+
+    if len(kept):
+        gc.collect()  # a bound forward or closure refers to its object: a cycle only gc frees
+    alive = list(kept)
+    kept.clear()
+    if not alive:
+        return
+    names = ", ".join(f"{type(o).__name__} at {id(o):#x}" for o in alive[:5])
+    more = f" and {len(alive) - 5} more" if len(alive) > 5 else ""
+    here, frame, level = os.path.dirname(__file__), sys._getframe(0), 1
+    while frame is not None and os.path.dirname(frame.f_code.co_filename) == here:
+        frame, level = frame.f_back, level + 1  # to the caller of unpatch / handle.undo
+    warnings.warn(
+        f"{unpatch}: the host's functions are restored, but {len(alive)} object(s) built "
+        f"while patched ({names}{more}) keep {what}. {advice}",
+        RuntimeWarning,
+        stacklevel=level,
+    )

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import functools
 import types
-import warnings
 import weakref
 from contextlib import nullcontext
 
@@ -528,40 +527,12 @@ def unpatch_trl() -> bool:
 
 
 def _warn_left_behind() -> None:
-    models = list(_HEADS_WHILE_PATCHED)
-    if models:
-        import gc
-
-        del models
-        gc.collect()  # the head's forward refers to its model: a cycle only gc frees
-        models = list(_HEADS_WHILE_PATCHED)
-    _HEADS_WHILE_PATCHED.clear()
-    if not models:
-        return
-    names = ", ".join(f"{type(m).__name__} at {id(m):#x}" for m in models[:5])
-    more = f" and {len(models) - 5} more" if len(models) > 5 else ""
-    warnings.warn(
-        f"unpatch_trl: TRL's functions are restored, but {len(models)} model(s) given "
-        f"exactlogp's fused LM head by add_fused_lm_head while patch_trl() was live ("
-        f"{names}{more}) keep it: their forward(..., fused_lm_head=True) still computes "
-        "with exactlogp. Build the model (and its trainer) again after unpatch_trl() for "
-        "TRL's head.",
-        RuntimeWarning,
-        stacklevel=_caller_level(),
-    )
-
-
-def _caller_level() -> int:
-    """warnings.warn's stacklevel of the first frame outside this package (the caller of
-    unpatch_trl() or handle.undo())."""
-    import os
-    import sys
-
-    here = os.path.dirname(__file__)
-    frame, level = sys._getframe(1), 1
-    while frame is not None and os.path.dirname(frame.f_code.co_filename) == here:
-        frame, level = frame.f_back, level + 1
-    return level
+    _patching.warn_kept(
+        _HEADS_WHILE_PATCHED, "unpatch_trl",
+        "exactlogp's fused LM head (given by add_fused_lm_head while patch_trl() was live): "
+        "their forward(..., fused_lm_head=True) still computes with exactlogp",
+        "Build the model (and its trainer) again after unpatch_trl() for TRL's head.",
+    )  # fmt: skip
 
 
 def _with_out_dtype(out_dtype) -> dict:

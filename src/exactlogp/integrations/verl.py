@@ -33,6 +33,7 @@ import importlib.util
 import os
 import sys
 import warnings
+import weakref
 from contextlib import nullcontext
 
 import torch
@@ -226,6 +227,10 @@ class FusedLinearForPPO(torch.nn.Module):
 
 # --- patching verl ---
 
+# Engines seen holding exactlogp's entropy function while patch_verl() was live (weak
+# references): unpatch_verl() cannot give them verl's back, so it names those still alive.
+_ENGINES_WHILE_PATCHED: weakref.WeakSet = weakref.WeakSet()
+
 _ENGINES = (
     ("verl.workers.engine.fsdp.transformer_impl", "FSDPEngineWithLMHead"),
     ("verl.workers.engine.veomni.transformer_impl", "VeOmniEngineWithLMHead"),
@@ -288,13 +293,23 @@ def patch_verl(*, vocab_size: int | None = None) -> _patching.PatchHandle:
         )
         for module, cls in _ENGINES
     ]
-    return _patching.apply(PATCH_KEY, sites, {"vocab_size": vocab_size})
+    return _patching.apply(PATCH_KEY, sites, {"vocab_size": vocab_size}, on_undo=_warn_left_behind)
 
 
 @_patching.atomic
 def unpatch_verl() -> bool:
-    """Restore verl's own functions; False if `patch_verl` was not applied."""
+    """Restore verl's own functions; False if `patch_verl` was not applied. An engine built
+    (or run) while patched keeps exactlogp's entropy function, bound on the engine; a
+    RuntimeWarning names those still alive that ran a forward while patched."""
     return _patching.undo(PATCH_KEY)
+
+
+def _warn_left_behind() -> None:
+    _patching.warn_kept(
+        _ENGINES_WHILE_PATCHED, "unpatch_verl",
+        "exactlogp's entropy function (bound on each engine when it was built or first run)",
+        "Build the engines again after unpatch_verl() for verl's own entropy.",
+    )  # fmt: skip
 
 
 def _megatron_functions(vocab_size) -> dict:
@@ -331,8 +346,11 @@ def _rebind_entropy(engine) -> None:
     base = getattr(bound, "_torchdynamo_orig_callable", bound)
     plain = handle.original("verl.utils.torch_functional.entropy_from_logits")
     chunked = handle.original("verl.utils.torch_functional.entropy_from_logits_with_chunking")
+    if base in (entropy_from_logits, entropy_from_logits_with_chunking):
+        _ENGINES_WHILE_PATCHED.add(engine)  # built while patched
     if base is not plain and base is not chunked:
         return  # exactlogp's already, or the user's own
+    _ENGINES_WHILE_PATCHED.add(engine)
     ours = entropy_from_logits_with_chunking if base is chunked else entropy_from_logits
     engine.compute_entropy_from_logits = (
         torch.compile(ours, dynamic=True) if base is not bound else ours
