@@ -150,6 +150,39 @@ def test_many_rows_in_blocks_give_the_bits_of_each_row_alone():
             assert_bitwise_equal(a[i : i + 1], b)
 
 
+def test_the_backward_computes_the_logits_once_when_they_fit_and_gives_the_same_bits(
+    monkeypatch,
+):
+    """Pass 1's dL/dz kept for pass 2 (GRAD_KEEP_BYTES): one recomputation of the logits in
+    the backward instead of two, the same gradients -- with a logit scale (kept before the
+    exact scaling) and several blocks of weight rows."""
+    from exactlogp import linear
+
+    h, w, t = lm_head_inputs(9, 32, 300, torch.bfloat16, seed=6)
+    bias = torch.randn(300, generator=torch.Generator().manual_seed(3)).bfloat16()
+    monkeypatch.setattr(linear, "GRAD_BLOCK_ELEMENTS", 9 * 64)  # blocks of 64 weight rows
+    computed = []
+    real = linear._Weight.logits
+    monkeypatch.setattr(linear._Weight, "logits",
+                        lambda self, *a, **k: computed.append(1) or real(self, *a, **k))  # fmt: skip
+
+    def grads(budget):
+        monkeypatch.setattr(linear, "GRAD_KEEP_BYTES", budget)
+        hh, ww, bb = (x.clone().requires_grad_(True) for x in (h, w, bias))
+        res = exactlogp.linear_selected_logprobs(
+            hh, ww, t, bias=bb, logit_scale=0.625, with_entropy=True
+        )
+        computed.clear()
+        (res.logprobs.sum() + 0.5 * res.entropy.sum()).backward()
+        return [hh.grad, ww.grad, bb.grad], len(computed)
+
+    kept, once = grads(1 << 30)
+    again, twice = grads(0)
+    assert (once, twice) == (5, 10)  # 300 rows in blocks of 64: 5 blocks per pass
+    for a, b in zip(kept, again, strict=True):
+        assert_bitwise_equal(a, b)
+
+
 # --- accuracy ---
 
 

@@ -17,7 +17,8 @@ Backward (blocks of weight rows outer, all rows inner), nothing of size [N, V] k
   pass 1: logits -> dL/dz (backend.grad) -> weight and bias gradient, exact per column;
           the per-row maxima of the hidden gradient's terms
   one all_reduce(MAX) of those maxima (as exponents)
-  pass 2: logits -> dL/dz -> the hidden gradient's two integer slices -> int64 sums
+  pass 2: dL/dz (pass 1's, kept when they fit GRAD_KEEP_BYTES; else from the logits again)
+          -> the hidden gradient's two integer slices -> int64 sums
   one all_reduce(SUM) of int64 (2, N, H): every rank gets the whole hidden gradient
 """
 
@@ -47,6 +48,7 @@ LOGITS_BUDGET = 128 << 20  # bytes of fp32 logits computed per pass over the wei
 # least one block): several blocks share one quantization of the weight
 WEIGHT_BLOCK_ELEMENTS = 1 << 21  # quantized weight rows per GEMM: at most 16 MiB of fp64
 GRAD_BLOCK_ELEMENTS = 1 << 21  # backward temporaries per block of weight rows, per row
+GRAD_KEEP_BYTES = 256 << 20  # the backward keeps dL/dz (fp32) between its passes up to this
 
 
 def _linear_fields(hidden, bias, scale: float) -> dict:
@@ -193,15 +195,10 @@ class LinearSelectedLogprobsFunction(torch.autograd.Function):
         a, row_scale = w.hidden(hidden)
         grads = _Grads(hidden, w, ~stats.silent, ctx.needs_input_grad)
         block = _grad_block(hidden.shape[0])
-
-        def dlogits(rows: slice, c=None) -> torch.Tensor:  # (N, P) fp64: dL/dz * logit_scale
-            z = w.logits(a, row_scale, rows, c)
-            plan = replace(call.plan, vocab_start=call.plan.vocab_start + rows.start)
-            g = call.backend.grad(z, target, tau, None, stats, plan).to(torch.float64)
-            return g if scale == 1.0 else g.mul_(scale)  # exact
-
+        keep = grads.needs_hidden and 4 * hidden.shape[0] * weight.shape[0] <= GRAD_KEEP_BYTES
+        dlogits = _DLogits(w, a, row_scale, target, tau, stats, call, keep)
         for rows in w.slices(block):  # pass 1
-            g = dlogits(rows, None if w.fused else w.quantized(rows))
+            g = dlogits(rows, None if w.fused else w.quantized(rows), first=True)
             grads.weight_block(rows, g)
             grads.track(rows, g)
         if not grads.needs_hidden:  # no collective: nothing the ranks must pair
@@ -224,6 +221,29 @@ class LinearSelectedLogprobsFunction(torch.autograd.Function):
                 grads.hidden_block(rows, c, dlogits(rows, c), big)
             dh = grads.hidden(big, group)
         return grads.poison(dh), grads.poison(grads.dw), grads.poison(grads.db), None, None, None
+
+
+class _DLogits:
+    """dL/dz * logit_scale (N, P) fp64 of a block of weight rows, from its logits computed
+    again. With `keep`, the first pass's dL/dz (fp32, before the exact scaling) are kept
+    until the second pass reads them: the logits are then computed once in the backward
+    instead of twice (GRAD_KEEP_BYTES bounds what is kept), and the values are the same."""
+
+    def __init__(self, w: _Weight, a, row_scale, target, tau, stats, call: Call, keep: bool):
+        self.w, self.a, self.row_scale, self.target = w, a, row_scale, target
+        self.tau, self.stats, self.call = tau, stats, call
+        self.kept: dict[int, torch.Tensor] | None = {} if keep else None
+
+    def __call__(self, rows: slice, c=None, first: bool = False) -> torch.Tensor:
+        g = None if self.kept is None else self.kept.pop(rows.start, None)
+        if g is None:
+            z = self.w.logits(self.a, self.row_scale, rows, c)
+            plan = replace(self.call.plan, vocab_start=self.call.plan.vocab_start + rows.start)
+            g = self.call.backend.grad(z, self.target, self.tau, None, self.stats, plan)
+            if first and self.kept is not None:
+                self.kept[rows.start] = g
+        g64 = g.to(torch.float64)  # not in place below: g may be kept, or already fp64
+        return g64 if self.w.scale == 1.0 else g64 * self.w.scale  # exact
 
 
 class _HostFlag:
