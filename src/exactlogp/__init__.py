@@ -8,6 +8,7 @@ from .linear import (
     linear_logits,
     linear_selected_logprobs,
 )
+from .sampling import ProcessedLogprobs, SamplingMask, processed_logprobs, sample, sampling_mask
 from .warmup import warmup
 
 __version__ = "0.1.0"
@@ -16,11 +17,16 @@ __all__ = [
     "CONTRACT",
     "LOGITS_CONTRACT",
     "LogprobResult",
+    "ProcessedLogprobs",
+    "SamplingMask",
     "SelectedLogprobs",
     "__version__",
     "gather_sequence_parallel",
     "linear_logits",
     "linear_selected_logprobs",
+    "processed_logprobs",
+    "sample",
+    "sampling_mask",
     "selected_logprobs",
     "warmup",
 ]
