@@ -292,9 +292,7 @@ def _cut(
         return contract.scaled_logits(x[rows], tc)
 
     blocks = [slice(s, min(s + BLOCK_ROWS, n)) for s in range(0, n, BLOCK_ROWS)]
-    local_max = torch.empty(n, dtype=torch.float32, device=x.device)
-    for rows in blocks:
-        local_max[rows] = contract.masked_row_max(scaled(rows), real)
+    local_max = call.backend.row_max(x, call.temperature, None, call.plan)
 
     # the max, with every rank's per-row parameters in the agreement's (v, -v) pairs
     check = None
@@ -317,55 +315,90 @@ def _cut(
     threshold = torch.full((n,), float("-inf"), dtype=torch.float32, device=x.device)
     local_arg = torch.full((n,), _NONE_ID, dtype=torch.int64, device=x.device)
     owned = contract.owned_target_columns(t, start, v_local, vsize, ignore_index)
+    padded = vsize is not None and start + v_local > vsize
     ys = []
-    gids = torch.arange(start, start + v_local, device=x.device)
     for rows in blocks:
         y = scaled(rows)
         nb = y.shape[0]
         mx = row_max[rows]
-        finite_row = torch.isfinite(mx)
-        cut_row = ~greedy[rows] & finite_row
-        bad = real & (torch.isnan(y) | (y == float("inf")))
-        cand = real & ~bad
-        d = y.to(torch.float64) - mx.to(torch.float64).unsqueeze(-1)
+        mx64 = mx.to(torch.float64)
+        cut_row = ~greedy[rows] & torch.isfinite(mx)
+        # NaN / +inf (kept, so that the row is reported bad) and padding need masks; the
+        # common block has neither: amax is NaN or +inf exactly when one is present
+        masked = padded or v_local == 0 or not bool(y.amax() < float("inf"))
+        ok = bad = None
+        if masked:
+            lt = y < float("inf")  # finite or -inf
+            ok, bad = lt & real, real & ~lt
+        m_on = k_on = p_on = torch.zeros(nb, dtype=torch.bool, device=x.device)
         if m is not None:
-            mv = m[rows] if isinstance(m, torch.Tensor) else torch.full((nb,), m, device=x.device)
-            mh, ml = _min_mass(mv)
-            on = cut_row & (mv > 0)
-            qh, ql = _masses(d)
-            cand = cand & (_ge(qh, ql, mh.unsqueeze(-1), ml.unsqueeze(-1)) | ~on.unsqueeze(-1))
-        key = _keys(y)
-        thr_key = torch.zeros(nb, dtype=torch.int64, device=x.device)  # key 0: below -inf
+            mv = _rows_of(m, rows, nb, x.device, torch.float32)
+            m_on = cut_row & (mv > 0)
         if k is not None:
-            kv = k[rows] if isinstance(k, torch.Tensor) else torch.full((nb,), k, device=x.device)
-            on = cut_row & (kv > 0)
-            r, c = torch.nonzero(cand & on.unsqueeze(-1), as_tuple=True)
-            ones = torch.ones(r.shape[0], 1, dtype=torch.int64, device=x.device)
-            tk, found = _radix_select(
-                r, key[r, c], ones, nb, group, lambda total, kv=kv: kv.view(-1, 1)
-            )
-            thr_key = torch.where(on & found, tk, thr_key)
-            cand = cand & (key >= thr_key.unsqueeze(-1))
+            kv = _rows_of(k, rows, nb, x.device, torch.int64)
+            k_on = cut_row & (kv > 0)
         if p is not None:
-            pv = p[rows] if isinstance(p, torch.Tensor) else torch.full((nb,), p, device=x.device)
-            on = cut_row & (pv < 1)
-            r, c = torch.nonzero(cand & on.unsqueeze(-1), as_tuple=True)
-            qh, ql = _masses(d[r, c])
-            tp, found = _radix_select(
-                r, key[r, c], torch.stack([qh, ql], 1), nb, group,
-                lambda total, pv=pv: _ceil_fraction(pv, total),
+            pv = _rows_of(p, rows, nb, x.device, torch.float32)
+            p_on = cut_row & (pv < 1)
+        any_on = m_on | k_on | p_on
+        thr_key = torch.zeros(nb, dtype=torch.int64, device=x.device)  # key 0: below -inf
+        if bool(any_on.any()):  # alike on every rank: the rounds are collectives
+            floor = _floors(y, ok, mx64, m is not None and mv, m_on, k is not None and kv, k_on)
+            floor = torch.where(any_on, floor, float("inf"))  # rows without a cut: none
+            sel = y >= floor.unsqueeze(-1)
+            r, c = torch.nonzero(sel if ok is None else sel & ok, as_tuple=True)
+            yc = y[r, c]
+            # the lowest id of the max: every value equal to M is above every floor
+            at = yc == mx[r]
+            local_arg[rows] = (
+                torch.full((nb,), _NONE_ID, dtype=torch.int64, device=x.device)
+                .scatter_reduce_(0, r[at], c[at] + start, "amin")
             )  # fmt: skip
-            thr_key = torch.where(on & found, torch.maximum(tp, thr_key), thr_key)
-            cand = cand & (key >= thr_key.unsqueeze(-1))
-        kept = torch.where((greedy[rows] | ~finite_row).unsqueeze(-1), real, cand | bad)
-        keep[rows] = kept
+            if m is not None:  # min-p on the exact masses
+                mh, ml = _min_mass(mv)
+                qh, ql = _masses(yc.to(torch.float64) - mx64[r])
+                alive = ~m_on[r] | _ge(qh, ql, mh[r], ml[r])
+                r, c, yc = r[alive], c[alive], yc[alive]
+            key = _keys(yc)
+            if k is not None:  # top-k: counts
+                sel = k_on[r]
+                ones = torch.ones(int(sel.sum()), 1, dtype=torch.int64, device=x.device)
+                tk, found = _radix_select(
+                    r[sel], key[sel], ones, nb, group, lambda total, kv=kv: kv.view(-1, 1)
+                )
+                thr_key = torch.where(k_on & found, tk, thr_key)
+                alive = key >= thr_key[r]
+                r, c, yc, key = r[alive], c[alive], yc[alive], key[alive]
+            if p is not None:  # top-p: masses
+                sel = p_on[r]
+                qh, ql = _masses(yc[sel].to(torch.float64) - mx64[r[sel]])
+                tp, found = _radix_select(
+                    r[sel], key[sel], torch.stack([qh, ql], 1), nb, group,
+                    lambda total, pv=pv: _ceil_fraction(pv, total),
+                )  # fmt: skip
+                thr_key = torch.where(p_on & found, torch.maximum(tp, thr_key), thr_key)
+                alive = key >= thr_key[r]
+                r, c = r[alive], c[alive]
+            kept = keep[rows]  # a view, all False
+            kept[r, c] = True
+            if bad is not None:
+                kept |= bad
+            if not bool(any_on.all()):
+                kept[~any_on] = real
+        else:
+            kept = keep[rows]
+            kept.copy_(real.expand(nb, v_local))
         threshold[rows] = torch.where(
             thr_key > 0, _key_value(thr_key), torch.full_like(mx, float("-inf"))
         )
-        at_max = real & (y == mx.unsqueeze(-1)) & finite_row.unsqueeze(-1)
-        local_arg[rows] = torch.where(at_max, gids, _NONE_ID).amin(-1) if v_local else _NONE_ID
+        need_arg = ~any_on & torch.isfinite(mx) if keep_y else None
+        if v_local and need_arg is not None and bool(need_arg.any()):  # rows without a cut
+            ycl = y if ok is None else torch.where(ok, y, float("-inf"))
+            a = ycl.argmax(-1)
+            at = ycl.gather(1, a.unsqueeze(-1)).squeeze(-1) == mx
+            local_arg[rows] = torch.where(at & need_arg, a + start, local_arg[rows])
         if keep_y:
-            ys.append((rows, y, d, kept))
+            ys.append((rows, y, mx64, kept))
 
     # the lowest argmax id and whether the owner cut the target: one int64 MAX
     own = owned >= 0
@@ -391,6 +424,38 @@ class _Built:
         self.value = value
         self.fields = value[0].fields
         self.layout = value[0].layout
+
+
+def _rows_of(value, rows, nb, device, dtype):
+    """A parameter's values for a block of rows: (nb,) of the per-row tensor or the scalar."""
+    if isinstance(value, torch.Tensor):
+        return value[rows]
+    return torch.full((nb,), value, dtype=dtype, device=device)
+
+
+def _floors(y, ok, mx64, mv, m_on, kv, k_on):
+    """(nb,) fp32 per-row lower bounds of the values the exact cut can keep (a superset:
+    the exact steps decide). min-p: q >= m 2^84 needs y - M >= log m - tiny (exp_c is
+    within 2^-51 of exp, the grid adds 2^-85); the bound is taken 2^-10 (1 + |M| + |log m|)
+    lower. top-k without min-p: the k-th largest y of this shard (the global k-th largest
+    is not below it). -inf where neither applies."""
+    nb = y.shape[0]
+    floor = torch.full((nb,), float("-inf"), dtype=torch.float64, device=y.device)
+    if mv is not False:
+        lm = torch.log(mv.to(torch.float64).clamp(min=1e-300))
+        bound = mx64 + lm - (1.0 + mx64.abs() + lm.abs()) * 2.0**-10
+        usable = m_on & (mv >= 2.0**-40)
+        floor = torch.where(usable, bound, floor)
+    if kv is not False:
+        rows_k = k_on & ~m_on
+        if bool(rows_k.any()):
+            kmax = int(kv[rows_k].max())
+            if kmax <= y.shape[1] // 4:
+                ycl = y if ok is None else torch.where(ok, y, float("-inf"))
+                vals = torch.topk(ycl, kmax, dim=-1, sorted=True).values
+                lk = vals.gather(1, (kv.clamp(1, kmax) - 1).unsqueeze(-1)).squeeze(-1)
+                floor = torch.where(rows_k, lk.to(torch.float64), floor)
+    return floor.to(torch.float32)
 
 
 def _row_fields(n, k, p, m, greedy, uniforms, device):
@@ -485,7 +550,7 @@ def sampling_mask(
         cut, options = _cut(
             vocab_parallel_logits, target, temperature=temperature, top_k=top_k, top_p=top_p,
             min_p=min_p, tp_group=tp_group, vocab_start=vocab_start, vocab_size=vocab_size,
-            ignore_index=-1, validate=validate, backend="reference",
+            ignore_index=-1, validate=validate, backend="auto",
         )  # fmt: skip
     return _mask_result(cut, vocab_parallel_logits, target, options)
 
@@ -605,7 +670,7 @@ def sample(
         cut, options = _cut(
             vocab_parallel_logits, target, temperature=temperature, top_k=top_k, top_p=top_p,
             min_p=min_p, tp_group=tp_group, vocab_start=vocab_start, vocab_size=vocab_size,
-            ignore_index=-1, validate=validate, backend="reference", uniforms=u, keep_y=True,
+            ignore_index=-1, validate=validate, backend="auto", uniforms=u, keep_y=True,
         )  # fmt: skip
         if options is None:
             return cut.argmax.view(rows)
@@ -624,41 +689,40 @@ def _draw(cut: _Cut, options, u, group, logits) -> torch.Tensor:
     device = cut.keep.device
     out = cut.argmax.clone()
     size = group.size
-    for rows, y, d, kept in cut.y_blocks:
+    for rows, y, mx64, kept in cut.y_blocks:
         nb = y.shape[0]
-        qh, ql = _masses(d)
-        kept = kept & torch.isfinite(y)
-        qh, ql = torch.where(kept, qh, 0), torch.where(kept, ql, 0)
-        ch, cl = qh.cumsum(-1), ql.cumsum(-1)  # every limb sum < 2^62 (MAX_VOCAB)
+        r, c = torch.nonzero(kept & (y < float("inf")), as_tuple=True)  # row-major: ids ascend
+        qh, ql = _masses(y[r, c].to(torch.float64) - mx64[r])
         # every rank's mass per row, and its vocab_start in the extra row: one int64 SUM
         tot = torch.zeros(size, nb + 1, 2, dtype=torch.int64, device=device)
-        if y.shape[-1]:
-            tot[group.rank, :nb, 0], tot[group.rank, :nb, 1] = ch[:, -1], cl[:, -1]
+        tot[group.rank, :nb, 0].index_add_(0, r, qh)
+        tot[group.rank, :nb, 1].index_add_(0, r, ql)
         tot[group.rank, nb, 0] = cut.start
         tot = distributed.all_reduce_sum_(tot, group)
-        # per row: which rank holds U = floor(u S), and U minus the ranks before it
-        local_u = torch.zeros(nb, 2, dtype=torch.int64, device=device)
-        mine = torch.zeros(nb, dtype=torch.bool, device=device)
         starts = [int(v) for v in tot[:, nb, 0].tolist()]
-        order = sorted(range(size), key=lambda r: starts[r])
-        for i, (uv, per_rank) in enumerate(zip(u[rows].tolist(), tot[:, :nb].permute(1, 0, 2).tolist(),
-                                               strict=True)):  # fmt: skip
-            masses = [h * (1 << _BITS) + lo for h, lo in per_rank]
-            num, den = float(uv).as_integer_ratio()
-            target = (sum(masses) * num) // den
-            for r in order:
-                if target < masses[r]:
-                    if r == group.rank:
-                        mine[i] = True
-                        local_u[i, 0], local_u[i, 1] = target >> _BITS, target & _MASK
-                    break
-                target -= masses[r]
+        order = sorted(range(size), key=lambda rank: starts[rank])
+        ends = torch.searchsorted(r, torch.arange(nb + 1, device=device)).tolist()
         pick = torch.zeros(nb, dtype=torch.int64, device=device)
-        if y.shape[-1]:
-            above = ~_ge(local_u[:, :1], local_u[:, 1:], ch, cl)  # cumulative > U
-            first = above.to(torch.int64).argmax(-1)
-            gid = first + starts[group.rank]
-            pick = torch.where(mine, gid + 1, 0)  # + 1: 0 means "not this rank"
+        per_row = tot[:, :nb].permute(1, 0, 2).tolist()
+        for i, (uv, masses) in enumerate(zip(u[rows].tolist(), per_row, strict=True)):
+            masses = [h * (1 << _BITS) + lo for h, lo in masses]
+            num, den = float(uv).as_integer_ratio()
+            left = (sum(masses) * num) // den  # U = floor(u S), then minus the ranks before
+            for rank in order:
+                if left < masses[rank]:
+                    break
+                left -= masses[rank]
+            else:
+                continue  # S = 0: nothing to draw
+            if rank != group.rank:
+                continue
+            lo_i, hi_i = ends[i], ends[i + 1]
+            ch, cl = qh[lo_i:hi_i].cumsum(0), ql[lo_i:hi_i].cumsum(0)  # each limb < 2^62
+            uh = torch.full_like(ch, left >> _BITS)
+            ul = torch.full_like(cl, left & _MASK)
+            above = ~_ge(uh, ul, ch, cl)  # cumulative mass > U
+            j = int(above.to(torch.int64).argmax())
+            pick[i] = int(c[lo_i + j]) + cut.start + 1  # + 1: 0 means "another rank"
         pick = distributed.all_reduce_sum_(pick, group)
         drawn = torch.where(pick > 0, pick - 1, torch.full_like(pick, -1))
         out[rows] = torch.where(greedy[rows], cut.argmax[rows], drawn)
