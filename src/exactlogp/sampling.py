@@ -318,18 +318,11 @@ def _cut(
     padded = vsize is not None and start + v_local > vsize
     ys = []
     for rows in blocks:
-        y = scaled(rows)
-        nb = y.shape[0]
+        y = ok = bad = None
+        nb = rows.stop - rows.start
         mx = row_max[rows]
         mx64 = mx.to(torch.float64)
         cut_row = ~greedy[rows] & torch.isfinite(mx)
-        # NaN / +inf (kept, so that the row is reported bad) and padding need masks; the
-        # common block has neither: amax is NaN or +inf exactly when one is present
-        masked = padded or v_local == 0 or not bool(y.amax() < float("inf"))
-        ok = bad = None
-        if masked:
-            lt = y < float("inf")  # finite or -inf
-            ok, bad = lt & real, real & ~lt
         m_on = k_on = p_on = torch.zeros(nb, dtype=torch.bool, device=x.device)
         if m is not None:
             mv = _rows_of(m, rows, nb, x.device, torch.float32)
@@ -343,11 +336,24 @@ def _cut(
         any_on = m_on | k_on | p_on
         thr_key = torch.zeros(nb, dtype=torch.int64, device=x.device)  # key 0: below -inf
         if bool(any_on.any()):  # alike on every rank: the rounds are collectives
-            floor = _floors(y, ok, mx64, m is not None and mv, m_on, k is not None and kv, k_on)
-            floor = torch.where(any_on, floor, float("inf"))  # rows without a cut: none
-            sel = y >= floor.unsqueeze(-1)
-            r, c = torch.nonzero(sel if ok is None else sel & ok, as_tuple=True)
-            yc = y[r, c]
+            fast = None
+            if k is not None and not padded and v_local:
+                tc = tau_col[rows] if isinstance(tau_col, torch.Tensor) else tau_col
+                fast = _topk_candidates(x[rows], tc, kv, k_on & ~m_on, any_on)
+            if fast is not None:
+                r, c, yc = fast
+            else:
+                y = scaled(rows)
+                # NaN / +inf (kept, so that the row is reported bad) and padding need
+                # masks; amax is NaN or +inf exactly when one is present
+                if padded or v_local == 0 or not bool(y.amax() < float("inf")):
+                    lt = y < float("inf")  # finite or -inf
+                    ok, bad = lt & real, real & ~lt
+                floor = _floors(y, ok, mx64, m is not None and mv, m_on, k is not None and kv, k_on)
+                floor = torch.where(any_on, floor, float("inf"))  # rows without a cut: none
+                sel = y >= floor.unsqueeze(-1)
+                r, c = torch.nonzero(sel if ok is None else sel & ok, as_tuple=True)
+                yc = y[r, c]
             # the lowest id of the max: every value equal to M is above every floor
             at = yc == mx[r]
             local_arg[rows] = (
@@ -391,6 +397,11 @@ def _cut(
         threshold[rows] = torch.where(
             thr_key > 0, _key_value(thr_key), torch.full_like(mx, float("-inf"))
         )
+        if keep_y and y is None:
+            y = scaled(rows)
+            if padded or v_local == 0 or not bool(y.amax() < float("inf")):
+                lt = y < float("inf")
+                ok, bad = lt & real, real & ~lt
         need_arg = ~any_on & torch.isfinite(mx) if keep_y else None
         if v_local and need_arg is not None and bool(need_arg.any()):  # rows without a cut
             ycl = y if ok is None else torch.where(ok, y, float("-inf"))
@@ -431,6 +442,29 @@ def _rows_of(value, rows, nb, device, dtype):
     if isinstance(value, torch.Tensor):
         return value[rows]
     return torch.full((nb,), value, dtype=dtype, device=device)
+
+
+def _topk_candidates(xb, tau, kv, rows_k, any_on):
+    """The columns top-k can keep, from torch.topk of the raw logits (division by a
+    positive temperature keeps their order): (rows, columns, y) of every column whose y
+    is >= the k-th largest, or None when this shortcut does not apply -- a row with
+    another cut, a NaN or +-inf among the values it reads, or ties that may reach past
+    the columns topk returned (then the caller scans the whole block)."""
+    if not bool((rows_k == any_on).all()):
+        return None
+    kmax = int(kv[rows_k].max())
+    kk = kmax + 16  # room for ties at the k-th value
+    if kk > xb.shape[1] // 4:
+        return None
+    vals, idx = torch.topk(xb, kk, dim=-1)  # sorted, largest first; NaN counts as largest
+    yv = contract.scaled_logits(vals, tau)
+    if not bool((yv < float("inf")).all()):  # a NaN or +inf y: the row is bad, scan it
+        return None
+    kth = yv.gather(1, (kv.clamp(1, kmax) - 1).unsqueeze(-1))
+    if not bool(((yv[:, -1:] < kth) | ~rows_k.unsqueeze(-1)).all()):
+        return None  # the k-th value's ties may continue past column kk
+    r, pos = torch.nonzero((yv >= kth) & rows_k.unsqueeze(-1), as_tuple=True)
+    return r, idx[r, pos], yv[r, pos]
 
 
 def _floors(y, ok, mx64, mv, m_on, kv, k_on):
