@@ -143,6 +143,15 @@ def test_boundary_rows_ties_inf_padding_and_greedy():
         assert not got.keep_mask[:, 40:].any()
         assert got.keep_mask[1, :40].all() and got.keep_mask[5, :40].all()  # greedy rows
         assert torch.equal(got.greedy, tau == 0)
+    # top-p alone whose mass reaches p only below M - 16: every column is cut again
+    wide = torch.full((2, 3000), -16.5)
+    wide[:, 7] = 0.0
+    wide[1, 100:200] = -30.0
+    for top_p in (0.99999, 0.5, torch.tensor([0.99999, 0.99999])):
+        got = sampling_mask(wide, top_p=top_p)
+        want = brute_keep(wide, top_p=top_p)
+        assert torch.equal(got.keep_mask, want)
+    assert int(want[0].sum()) == 3000 and int(want[1].sum()) == 2900
     # top-k 3 on a row whose 3rd value is tied keeps every tie
     got = sampling_mask(x[2:3], top_k=3).keep_mask
     assert int(got.sum()) == 10
@@ -279,7 +288,16 @@ def world_inputs():
     t[1] = int((~keep[1]).nonzero()[0])  # dropped by the cut
     t[3] = -100
     u = torch.rand(ROWS, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    x[6] = -16.5  # top-p alone, whose mass is reached only below M - 16
+    x[6, 100] = 0.0
+    t[6] = 100
     return x, t, kw, u
+
+
+OTHER_CUTS = (
+    dict(top_k=5, temperature=0.8),  # top-k alone: candidates from torch.topk
+    dict(top_p=torch.tensor([0.9, 0.5, 0.99, 0.7, 1.0, 0.8, 0.99999])),  # top-p alone
+)
 
 
 def run_all(x, t, kw, u, **shard):
@@ -289,10 +307,15 @@ def run_all(x, t, kw, u, **shard):
     (lp.sum() + res.entropy.sum() - 0.5 * res.lse.sum()).backward()
     mask = sampling_mask(x, **kw, **shard)
     ids = sample(x, uniforms=u, **kw, **shard)
-    return dict(
+    out = dict(
         lp=res.logprobs.detach(), ent=res.entropy.detach(), lse=res.lse.detach(),
         grad=xg.grad, dropped=res.dropped, keep=mask.keep_mask, thr=mask.threshold, ids=ids,
     )  # fmt: skip
+    for i, other in enumerate(OTHER_CUTS):
+        out[f"lp{i}"] = processed_logprobs(x, t, **other, **shard).logprobs
+        out[f"keep{i}"] = sampling_mask(x, **other, **shard).keep_mask
+        out[f"ids{i}"] = sample(x, uniforms=u, **other, **shard)
+    return out
 
 
 def rank_worker(rank, world, group, inputs):
@@ -335,13 +358,17 @@ def test_every_tp_degree_gives_the_same_bits(world, world_results):
     x, t, kw, u = world_inputs()
     want = run_all(x, t, kw, u)
     assert torch.equal(want["keep"], brute_keep(x, **kw))
+    for i, other in enumerate(OTHER_CUTS):
+        assert torch.equal(want[f"keep{i}"], brute_keep(x, **other)), other
+    assert bool(want["keep1"][6].all())  # row 6 is cut again from all its columns
     assert bool(want["dropped"][1]) and int(want["dropped"].sum()) == 1
     for rank, got in enumerate(world_results[world]):
         lo, hi = shard_bounds(world)[rank]
         what = f"world {world} rank {rank}"
-        for name in ("lp", "ent", "lse", "thr", "ids", "dropped"):
+        for name in ("lp", "ent", "lse", "thr", "ids", "dropped", "lp0", "lp1", "ids0", "ids1"):
             assert_bitwise_equal(got[name], want[name], f"{what} {name}")
-        assert torch.equal(got["keep"], want["keep"][:, lo:hi]), what
+        for name in ("keep", "keep0", "keep1"):
+            assert torch.equal(got[name], want[name][:, lo:hi]), f"{what} {name}"
         assert_bitwise_equal(got["grad"], want["grad"][:, lo:hi], f"{what} gradient")
         if world > 1:
             assert bool(torch.isnan(got["nan"]).all()), what

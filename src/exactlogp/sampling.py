@@ -317,6 +317,7 @@ def _cut(
     owned = contract.owned_target_columns(t, start, v_local, vsize, ignore_index)
     padded = vsize is not None and start + v_local > vsize
     ys = []
+    s_full = _full_masses(x, t, call, row_max, greedy, k, p, m, group)
     for rows in blocks:
         y = ok = bad = None
         nb = rows.stop - rows.start
@@ -336,55 +337,80 @@ def _cut(
         any_on = m_on | k_on | p_on
         thr_key = torch.zeros(nb, dtype=torch.int64, device=x.device)  # key 0: below -inf
         if bool(any_on.any()):  # alike on every rank: the rounds are collectives
+            # rows with top-p alone: S is the whole row's mass (s_full); their columns
+            # start above M - 16, and a row whose columns there do not reach p S (found
+            # is False, alike on every rank) is cut again from all its columns
+            pure = p_on & ~k_on & ~m_on
+            relax = torch.zeros(nb, dtype=torch.bool, device=x.device)
             fast = None
             if k is not None and not padded and v_local:
                 tc = tau_col[rows] if isinstance(tau_col, torch.Tensor) else tau_col
                 fast = _topk_candidates(x[rows], tc, kv, k_on & ~m_on, any_on)
-            if fast is not None:
-                r, c, yc = fast
-            else:
+            if fast is None:
                 y = scaled(rows)
                 # NaN / +inf (kept, so that the row is reported bad) and padding need
                 # masks; amax is NaN or +inf exactly when one is present
                 if padded or v_local == 0 or not bool(y.amax() < float("inf")):
                     lt = y < float("inf")  # finite or -inf
                     ok, bad = lt & real, real & ~lt
-                floor = _floors(y, ok, mx64, m is not None and mv, m_on, k is not None and kv, k_on)
-                floor = torch.where(any_on, floor, float("inf"))  # rows without a cut: none
-                sel = y >= floor.unsqueeze(-1)
-                r, c = torch.nonzero(sel if ok is None else sel & ok, as_tuple=True)
-                yc = y[r, c]
-            # the lowest id of the max: every value equal to M is above every floor
-            at = yc == mx[r]
-            local_arg[rows] = (
-                torch.full((nb,), _NONE_ID, dtype=torch.int64, device=x.device)
-                .scatter_reduce_(0, r[at], c[at] + start, "amin")
-            )  # fmt: skip
-            if m is not None:  # min-p on the exact masses
-                mh, ml = _min_mass(mv)
-                qh, ql = _masses(yc.to(torch.float64) - mx64[r])
-                alive = ~m_on[r] | _ge(qh, ql, mh[r], ml[r])
-                r, c, yc = r[alive], c[alive], yc[alive]
-            key = _keys(yc)
-            if k is not None:  # top-k: counts
-                sel = k_on[r]
-                ones = torch.ones(int(sel.sum()), 1, dtype=torch.int64, device=x.device)
-                tk, found = _radix_select(
-                    r[sel], key[sel], ones, nb, group, lambda total, kv=kv: kv.view(-1, 1)
-                )
-                thr_key = torch.where(k_on & found, tk, thr_key)
-                alive = key >= thr_key[r]
-                r, c, yc, key = r[alive], c[alive], yc[alive], key[alive]
-            if p is not None:  # top-p: masses
+            while True:
+                thr_key.zero_()
+                if fast is not None:
+                    r, c, yc = fast
+                else:
+                    floor = _floors(
+                        y, ok, mx64, m is not None and mv, m_on, k is not None and kv, k_on
+                    )
+                    near = (mx64 - 16.0).to(torch.float32)
+                    floor = torch.where(pure & ~relax, near, floor)
+                    floor = torch.where(any_on, floor, float("inf"))  # no cut: no column
+                    sel = y >= floor.unsqueeze(-1)
+                    r, c = torch.nonzero(sel if ok is None else sel & ok, as_tuple=True)
+                    yc = y[r, c]
+                # the lowest id of the max: every value equal to M is above every floor
+                at = yc == mx[r]
+                local_arg[rows] = (
+                    torch.full((nb,), _NONE_ID, dtype=torch.int64, device=x.device)
+                    .scatter_reduce_(0, r[at], c[at] + start, "amin")
+                )  # fmt: skip
+                if m is not None:  # min-p on the exact masses
+                    mh, ml = _min_mass(mv)
+                    qh, ql = _masses(yc.to(torch.float64) - mx64[r])
+                    alive = ~m_on[r] | _ge(qh, ql, mh[r], ml[r])
+                    r, c, yc = r[alive], c[alive], yc[alive]
+                key = _keys(yc)
+                if k is not None:  # top-k: counts
+                    sel = k_on[r]
+                    ones = torch.ones(int(sel.sum()), 1, dtype=torch.int64, device=x.device)
+                    tk, found = _radix_select(
+                        r[sel], key[sel], ones, nb, group, lambda total, kv=kv: kv.view(-1, 1)
+                    )
+                    thr_key = torch.where(k_on & found, tk, thr_key)
+                    alive = key >= thr_key[r]
+                    r, c, yc, key = r[alive], c[alive], yc[alive], key[alive]
+                if p is None:
+                    break
+                # top-p: masses
                 sel = p_on[r]
                 qh, ql = _masses(yc[sel].to(torch.float64) - mx64[r[sel]])
+                whole = s_full[rows] if s_full is not None else None
+
+                def need(total, pv=pv, whole=whole, pure=pure):
+                    if whole is not None:
+                        total = torch.where(pure.unsqueeze(-1), whole, total)
+                    return _ceil_fraction(pv, total)
+
                 tp, found = _radix_select(
-                    r[sel], key[sel], torch.stack([qh, ql], 1), nb, group,
-                    lambda total, pv=pv: _ceil_fraction(pv, total),
-                )  # fmt: skip
+                    r[sel], key[sel], torch.stack([qh, ql], 1), nb, group, need
+                )
+                retry = p_on & pure & ~found & ~relax
+                if fast is None and bool(retry.any()):
+                    relax |= retry
+                    continue
                 thr_key = torch.where(p_on & found, torch.maximum(tp, thr_key), thr_key)
                 alive = key >= thr_key[r]
                 r, c = r[alive], c[alive]
+                break
             kept = keep[rows]  # a view, all False
             kept[r, c] = True
             if bad is not None:
@@ -435,6 +461,25 @@ class _Built:
         self.value = value
         self.fields = value[0].fields
         self.layout = value[0].layout
+
+
+def _full_masses(x, t, call, row_max, greedy, k, p, m, group):
+    """(N, 2) int64 limbs of each row's whole mass S (the backend's partials pass and one
+    int64 SUM) when some row has a top-p cut alone; else None (alike on every rank)."""
+    if p is None:
+        return None
+    n = row_max.shape[0]
+    cut_row = ~greedy & torch.isfinite(row_max)
+    pure = cut_row & (_rows_of(p, slice(0, n), n, x.device, torch.float32) < 1)
+    if k is not None:
+        pure &= ~(_rows_of(k, slice(0, n), n, x.device, torch.int64) > 0)
+    if m is not None:
+        pure &= ~(_rows_of(m, slice(0, n), n, x.device, torch.float32) > 0)
+    if not bool(pure.any()):
+        return None
+    record = call.backend.partials(x, t, call.temperature, None, row_max, call.plan)
+    whole = record[:, [contract.COL_E_HI, contract.COL_E_LO]].contiguous()
+    return distributed.all_reduce_sum_(whole, group)
 
 
 def _rows_of(value, rows, nb, device, dtype):
