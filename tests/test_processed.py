@@ -373,3 +373,19 @@ def test_every_tp_degree_gives_the_same_bits(world, world_results):
         if world > 1:
             assert bool(torch.isnan(got["nan"]).all()), what
             assert got["error"] is not None and "top_p of row[4]" in got["error"], what
+
+
+def test_strided_3d_logits_give_the_rows_bits():
+    x, t = llm_like_logits(12, 300, torch.bfloat16, seed=1)
+    full = torch.cat([x.view(3, 4, 300), x.view(3, 4, 300)[:, :1]], 1)
+    view = full[:, :-1]  # (3, 4, 300) whose rows are not evenly spaced
+    kw = dict(top_k=20, top_p=0.8)
+    a = processed_logprobs(view, t.view(3, 4), **kw)
+    b = processed_logprobs(x, t, **kw)
+    assert_bitwise_equal(a.logprobs.reshape(-1), b.logprobs, "logprobs")
+    assert a.dropped.shape == (3, 4) and a.mask.keep_mask.shape == (3, 4, 300)
+    assert torch.equal(sampling_mask(view, **kw).keep_mask.reshape(12, 300), b.mask.keep_mask)
+    u = torch.rand(3, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(
+        sample(view, uniforms=u, **kw).reshape(-1), sample(x, uniforms=u.view(-1), **kw)
+    )

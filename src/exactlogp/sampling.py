@@ -23,7 +23,7 @@ import torch
 
 from . import agreement, contract, distributed, validation
 from .api import LogprobResult, eager_only, selected_logprobs
-from .backends.base import row_view
+from .backends.base import num_rows, row_view, take_rows
 from .call import device_of, make_call
 
 BLOCK_ROWS = 32  # rows cut together: a function of nothing but N, alike on every rank
@@ -281,7 +281,7 @@ def _cut(
     built = agreement.checked(group, validate, device, lambda: _Built(build()))
     call, k, p, m, tau, greedy = built.value
     x = row_view(logits)
-    n, v_local = x.shape
+    n, v_local = num_rows(x), x.shape[-1]
     t = target.reshape(-1).to(torch.int64)
     start, vsize = call.plan.vocab_start, call.plan.vocab_size
     real = contract.valid_columns(v_local, start, vsize, None, x.device)  # (1, V)
@@ -289,7 +289,7 @@ def _cut(
 
     def scaled(rows):
         tc = tau_col[rows] if isinstance(tau_col, torch.Tensor) else tau_col
-        return contract.scaled_logits(x[rows], tc)
+        return contract.scaled_logits(take_rows(x, rows), tc)
 
     blocks = [slice(s, min(s + BLOCK_ROWS, n)) for s in range(0, n, BLOCK_ROWS)]
     local_max = call.backend.row_max(x, call.temperature, None, call.plan)
@@ -345,7 +345,7 @@ def _cut(
             fast = None
             if k is not None and not padded and v_local:
                 tc = tau_col[rows] if isinstance(tau_col, torch.Tensor) else tau_col
-                fast = _topk_candidates(x[rows], tc, kv, k_on & ~m_on, any_on)
+                fast = _topk_candidates(take_rows(x, rows), tc, kv, k_on & ~m_on, any_on)
             if fast is None:
                 y = scaled(rows)
                 # NaN / +inf (kept, so that the row is reported bad) and padding need
