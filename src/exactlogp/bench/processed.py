@@ -41,7 +41,10 @@ def main(argv=None) -> int:
     p.add_argument("--top-k", type=int, default=50)
     p.add_argument("--top-p", type=float, default=0.9)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     args = p.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     x, t = llm_like_logits(args.rows, args.vocab, torch.bfloat16, seed=0, targets="uniform")
     d, _ = llm_like_logits(args.decode, args.vocab, torch.float32, seed=1, targets="uniform")
     gen = torch.Generator().manual_seed(0)
