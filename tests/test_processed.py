@@ -389,3 +389,27 @@ def test_strided_3d_logits_give_the_rows_bits():
     assert torch.equal(
         sample(view, uniforms=u, **kw).reshape(-1), sample(x, uniforms=u.view(-1), **kw)
     )
+
+
+def test_megatron_drop_in_masks_cut_targets_out_of_the_loss(monkeypatch, caplog):
+    from exactlogp.integrations import megatron
+    from integration_stubs import install_megatron
+
+    install_megatron(monkeypatch, rank=0, world_size=1)
+    x, t = llm_like_logits(8, 120, torch.bfloat16, seed=12)
+    kw = dict(top_k=10, top_p=0.9, temperature=0.9)
+    keep = brute_keep(x, **kw)
+    t[2] = int((~keep[2]).nonzero()[0])
+    xg = x.clone().requires_grad_(True)
+    with caplog.at_level("WARNING"):
+        out = megatron.processed_logprobs(xg, t, **kw, loss_mask=torch.arange(8) != 5)
+    cut = ~keep[torch.arange(8), t]
+    assert bool(cut[2]) and f"{int(cut.sum())} of 8 target tokens" in caplog.text
+    assert int(out.num_dropped) == int(cut.sum()) and bool((out.logprobs[cut] == 0).all())
+    assert torch.equal(out.loss_mask, ~cut & (torch.arange(8) != 5))
+    loss = -(out.logprobs * out.loss_mask).sum()
+    loss.backward()
+    assert torch.isfinite(loss) and bool(torch.isfinite(xg.grad).all())
+    assert bool((xg.grad[cut] == 0).all()) and bool((xg.grad[~keep] == 0).all())
+    ref = processed_logprobs(x, t, **kw)
+    assert_bitwise_equal(out.logprobs[out.loss_mask], ref.logprobs[out.loss_mask], "drop-in")
