@@ -335,6 +335,11 @@ def rank_worker(rank, world, group, inputs):
             out["error"] = None
         except ValueError as exc:
             out["error"] = str(exc)
+        # ... and on the uniforms of sample: -1 everywhere
+        u_bad = u.clone()
+        if rank == 0:
+            u_bad[2] = 0.5
+        out["ids_bad"] = sample(x[:, lo:hi], uniforms=u_bad, validate=False, **kw, **shard)
     return out
 
 
@@ -373,6 +378,7 @@ def test_every_tp_degree_gives_the_same_bits(world, world_results):
         if world > 1:
             assert bool(torch.isnan(got["nan"]).all()), what
             assert got["error"] is not None and "top_p of row[4]" in got["error"], what
+            assert bool((got["ids_bad"] == -1).all()), what
 
 
 def test_strided_3d_logits_give_the_rows_bits():
