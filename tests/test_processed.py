@@ -419,3 +419,14 @@ def test_megatron_drop_in_masks_cut_targets_out_of_the_loss(monkeypatch, caplog)
     assert bool((xg.grad[cut] == 0).all()) and bool((xg.grad[~keep] == 0).all())
     ref = processed_logprobs(x, t, **kw)
     assert_bitwise_equal(out.logprobs[out.loss_mask], ref.logprobs[out.loss_mask], "drop-in")
+
+
+def test_no_rows_and_a_temperature_that_requires_grad():
+    x, t = torch.randn(0, 50), torch.zeros(0, dtype=torch.long)
+    res = processed_logprobs(x, t, top_k=5, top_p=0.5, min_p=0.1)
+    assert res.logprobs.shape == (0,) and int(res.num_dropped) == 0
+    assert sampling_mask(x, top_p=0.5).keep_mask.shape == (0, 50)
+    assert sample(x, top_p=0.5).shape == (0,)
+    tau = torch.ones(3, requires_grad=True)
+    with pytest.raises(ValueError, match="temperature"):
+        processed_logprobs(torch.randn(3, 50), torch.zeros(3, dtype=torch.long), temperature=tau)

@@ -133,7 +133,7 @@ def _check_temperature(temperature, target):
     """(temperature the contract divides by: a float or (N,) fp32; greedy (N,) bool)."""
     n = target.numel()
     if isinstance(temperature, torch.Tensor):
-        t = validation.check_temperature(temperature.detach(), target).rows
+        t = validation.check_temperature(temperature, target).rows
         greedy = t == 0
         return torch.where(greedy, torch.ones_like(t), t), greedy
     if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
@@ -582,7 +582,6 @@ def _poisoned(n, v_local, device, check):
 
 def _mask_result(cut: _Cut, logits, target, options) -> SamplingMask:
     shape = tuple(target.shape)
-    n = target.numel()
     if options is None:
         m = torch.full(shape, float("nan"), device=cut.threshold.device)
         greedy = torch.zeros(shape, dtype=torch.bool, device=cut.threshold.device)
@@ -596,7 +595,7 @@ def _mask_result(cut: _Cut, logits, target, options) -> SamplingMask:
         greedy = options[5].view(shape)
         m = torch.where(greedy, torch.zeros_like(m), m)
     return SamplingMask(
-        cut.keep.view(*shape, logits.shape[-1]) if n else cut.keep.view(*shape, -1),
+        cut.keep.view(*shape, logits.shape[-1]),
         cut.threshold.view(shape), m, cut.row_max.view(shape), greedy,
     )  # fmt: skip
 
