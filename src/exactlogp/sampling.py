@@ -662,6 +662,11 @@ def processed_logprobs(
     A target outside the kept set gives logprob -inf with a zero gradient and is counted
     in `result.num_dropped` (`result.dropped` per row); `validate=True` does not raise on
     it (data, not a bad call). Unpacks as (logprobs, entropy, lse).
+
+    Sampling parameters outside their range raise ValueError (TypeError for a wrong type)
+    whatever `validate` is; per-row tensors are checked with a host sync. Per-row values
+    that differ between the ranks of `tp_group` raise on every rank (validate=True) or
+    give NaN everywhere (validate=False), as for `selected_logprobs`.
     """
     group = distributed.resolve(tp_group)
     with distributed.serialized(group):
