@@ -248,7 +248,7 @@ class _Cut(NamedTuple):
     dropped: torch.Tensor  # (N,) bool: target outside the kept set
     poison: torch.Tensor  # (N,) bool: the ranks disagree
     check: object  # agreement.RankCheck or None
-    y_blocks: list  # per block: (rows slice, y, d, kept) for sample
+    y_blocks: list  # per block: (rows slice, y, M as fp64, kept) for sample
     start: int  # this rank's vocab_start
 
 
