@@ -17,6 +17,7 @@ import torch
 
 import exactlogp
 from exactlogp.backends import backend_names, get_backend
+from exactlogp.backends.base import EXACT_GEMM_ROUTES
 from exactlogp.testing import python_random_logits, sha256
 
 INPUTS = {
@@ -146,7 +147,7 @@ def linear_golden_inputs(hidden: int):
 
 
 def linear_backends():
-    """Every backend that loads here; Triton on both exact-GEMM routes."""
+    """Every backend that loads here; Triton on every exact-GEMM route."""
     out = []
     for name in backend_names():
         try:
@@ -154,7 +155,7 @@ def linear_backends():
         except ValueError:
             continue
         if name == "triton":
-            out += [impl.with_options(exact_gemm=m) for m in ("fp64", "int8", "int8_mm")]
+            out += [impl.with_options(exact_gemm=m) for m in EXACT_GEMM_ROUTES]
         else:
             out.append(impl)
     return out

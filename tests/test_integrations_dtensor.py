@@ -1,7 +1,8 @@
 """DTensor inputs (FSDP2 / torchtitan tensor parallel) in a gloo world of 2 CPU ranks:
-logits sharded on the vocabulary and an LM-head weight sharded on its rows give the
-TP = 1 bits, with the group and vocab_start read from the placement (509 columns split
-like torch.chunk: 255 + 254)."""
+logits sharded on the vocabulary give the TP = 1 bits, with the group and vocab_start
+read from the placement (509 columns split like torch.chunk: 255 + 254). TRL's fused head
+takes an LM-head weight sharded on its rows (FSDP2) as TRL does: gathered whole, each rank
+computing its own rows of data -- which may differ between ranks."""
 
 from __future__ import annotations
 
@@ -38,6 +39,14 @@ def _worker(rank, world_size, group, logits, target, hidden, weight):
     )
     (lp.sum() + 0.5 * ent.sum()).backward()
     out["fused"] = (lp.detach(), ent.detach(), h.grad, dweight.grad.full_tensor())
+    # FSDP2: each rank its own rows of data (here: its own scale of the hidden states)
+    dweight = distribute_tensor(weight.clone(), mesh, [Shard(0)]).requires_grad_()
+    h = (hidden * (1 + rank)).requires_grad_()
+    lp, ent, *_ = trl.ChunkedLogProbFunction.apply(
+        h, dweight, None, target, 0.7, 64, None, 1.0, ("entropy",)
+    )
+    (lp.sum() + 0.5 * ent.sum()).backward()
+    out["data_parallel"] = (lp.detach(), ent.detach(), h.grad, dweight.grad.to_local())
     # verl's Megatron fused forward: Megatron's even split (rank r from r * V_local)
     width = (VOCAB - 1) // world_size
     rows = weight[rank * width : (rank + 1) * width]
@@ -68,3 +77,17 @@ def test_dtensor_inputs_give_the_tp1_bits():
         assert_bitwise_equal(gh, h.grad, f"rank {rank} hidden gradient")
         assert_bitwise_equal(gw, w.grad, f"rank {rank} weight gradient")
         assert_bitwise_equal(out["megatron_fused"][0], even.logprobs, f"rank {rank} verl mcore")
+        # data parallel: this rank's rows alone, over the whole weight; its rows of the
+        # weight gradient are the rows of its own data's gradient (full_tensor's backward)
+        own_h = (hidden * (1 + rank)).requires_grad_()
+        own_w = weight.clone().requires_grad_()
+        own = exactlogp.linear_selected_logprobs(
+            own_h, own_w, target, temperature=0.7, with_entropy=True
+        )
+        (own.logprobs.sum() + 0.5 * own.entropy.sum()).backward()
+        lp, ent, gh, gw = out["data_parallel"]
+        rows = slice(0, 255) if rank == 0 else slice(255, VOCAB)  # torch.chunk's split
+        assert_bitwise_equal(lp, own.logprobs.detach(), f"rank {rank} data-parallel logprobs")
+        assert_bitwise_equal(ent, own.entropy.detach(), f"rank {rank} data-parallel entropy")
+        assert_bitwise_equal(gh, own_h.grad, f"rank {rank} data-parallel hidden gradient")
+        assert_bitwise_equal(gw, own_w.grad[rows], f"rank {rank} data-parallel weight rows")

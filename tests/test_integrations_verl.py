@@ -247,6 +247,33 @@ def test_fused_linear_for_ppo_side_by_side():
     assert_bitwise_equal(ours[0].detach(), exact.logprobs, "bits")
 
 
+def test_fused_kernels_under_autocast_compute_in_its_dtype():
+    """Under autocast verl's own kernel takes bf16 hidden states with an fp32 LM-head weight
+    (a head autocast casts, not FSDP's mixed precision) and does its matmul in bf16;
+    exactlogp's computes in bf16 too (it raised a TypeError)."""
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(2, 7, 32, generator=g).bfloat16()
+    weight = torch.randn(333, 32, generator=g) / 32**0.5
+    ids = torch.randint(0, 333, (2, 7), generator=g)
+    a = [t.clone().requires_grad_() for t in (hidden, weight)]
+    b = [t.clone().requires_grad_() for t in (hidden, weight)]
+    with torch.autocast("cpu", torch.bfloat16):
+        ours = verl.FusedLinearForPPO()(*a, ids, 0.7)
+        host = VerlFused()(*b, ids, 0.7)
+    for x, y in zip(ours, host, strict=True):
+        assert x.dtype == y.dtype and x.shape == y.shape
+        torch.testing.assert_close(x.float(), y.float(), atol=2e-2, rtol=2e-2)
+    exact = exactlogp.linear_selected_logprobs(
+        hidden, weight.bfloat16(), ids, temperature=0.7, with_entropy=True
+    )
+    assert_bitwise_equal(ours[0].detach(), exact.logprobs, "log_probs bits")
+    assert_bitwise_equal(ours[1].detach(), exact.entropy.bfloat16(), "entropy bits")
+    ours[0].sum().backward()
+    assert a[0].grad.dtype == torch.bfloat16 and a[1].grad.dtype == torch.float32
+    with pytest.raises(TypeError, match="weight dtype torch.float32 must equal hidden dtype"):
+        verl.FusedLinearForPPO()(hidden, weight, ids, 0.7)  # no autocast: verl's raises too
+
+
 def test_use_fused_kernels_model_forward_is_routed_to_exactlogp():
     """verl's fused forward imports FusedLinearForPPO at call time: the patch reaches it."""
     from transformers import Qwen3Config, Qwen3ForCausalLM

@@ -2,7 +2,8 @@
 
 The exact integer GEMM runs as nine int8 dot products with int32 accumulation
 (backends/triton/linear_kernels.py; without a GPU in Triton's interpreter, so every case
-is small) or as fp64 GEMMs over K-chunks (cuBLAS DGEMM on a GPU), the backend's
+is small), as five diagonal int8 GEMMs (torch._int_mm, or the fused route whose kernel
+also rounds) or as fp64 GEMMs over K-chunks (cuBLAS DGEMM on a GPU), the backend's
 exact_gemm option. Compared bit for bit with the reference backend's int64 arithmetic.
 """
 
@@ -14,8 +15,8 @@ pytest.importorskip("triton", reason="Triton is not installed: no Triton backend
 import exactlogp  # noqa: E402
 from exactlogp import linear_contract as lc  # noqa: E402
 from exactlogp.backends import get_backend  # noqa: E402
-from exactlogp.backends.triton import linear_kernels  # noqa: E402
-from exactlogp.backends.triton.launch import FP64_RICH_CAPABILITIES, TritonBackend  # noqa: E402
+from exactlogp.backends.triton import launch, linear_kernels  # noqa: E402
+from exactlogp.backends.triton.launch import TritonBackend, fp64_rich  # noqa: E402
 from exactlogp.testing import assert_bitwise_equal, lm_head_inputs  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -40,7 +41,7 @@ def test_exact_dot_is_the_integer_product_on_ragged_tiles():
 
 
 def test_exact_gemm_option_picks_a_path_and_refuses_unknown_modes():
-    rich = DEVICE.type == "cuda" and torch.cuda.get_device_capability() in FP64_RICH_CAPABILITIES
+    rich = fp64_rich(DEVICE)
     assert TritonBackend().gemm_path(DEVICE) == ("fp64" if rich else "int8")
     assert TritonBackend().gemm_path(torch.device("cpu")) == "int8"
     assert TritonBackend(exact_gemm="fp64").gemm_path(torch.device("cpu")) == "fp64"
@@ -52,6 +53,29 @@ def test_exact_gemm_option_picks_a_path_and_refuses_unknown_modes():
     with pytest.raises(AttributeError, match="immutable"):
         impl.exact_gemm = "fp64"
     assert impl.exact_gemm == "auto" and impl.with_options(exact_gemm="fp64").exact_gemm == "fp64"
+
+
+@pytest.mark.parametrize(
+    ("name", "capability", "rich"),
+    [("NVIDIA H200", (9, 0), True), ("NVIDIA H100 80GB HBM3", (9, 0), True),
+     ("NVIDIA H20", (9, 0), False), ("NVIDIA H20-3e", (9, 0), False),
+     ("NVIDIA A100-SXM4-80GB", (8, 0), True), ("NVIDIA L40S", (8, 9), False),
+     ("NVIDIA GeForce RTX 4090", (8, 9), False)],
+)  # fmt: skip
+def test_auto_routes_follow_the_device_name_not_the_capability_alone(
+    monkeypatch, name, capability, rich
+):
+    """An H20 is sm_90 like an H200 but has ~1 TFLOP/s of fp64: no DGEMM route, and the
+    value tables; a name in MEASURED_GEMM_ROUTES takes its measured route."""
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    gpu = torch.device("cuda", 0)
+    assert fp64_rich(gpu) is rich
+    assert TritonBackend().gemm_path(gpu) == ("fp64" if rich else "int8")
+    part = name.split()[1].split("-")[0]  # "H20-3e": the part H20
+    monkeypatch.setattr(launch, "MEASURED_GEMM_ROUTES", {part: "int8_fused"})
+    assert TritonBackend().gemm_path(gpu) == "int8_fused"
+    assert TritonBackend(exact_gemm="fp64").gemm_path(gpu) == "fp64"  # an explicit route wins
 
 
 def test_exact_dot_takes_the_path_its_option_names(monkeypatch):
@@ -71,7 +95,7 @@ def test_exact_dot_takes_the_path_its_option_names(monkeypatch):
     assert calls == ["int8", "fp64", "int8_mm"]
 
 
-@pytest.mark.parametrize("gemm", ["int8", "fp64", "int8_mm"])
+@pytest.mark.parametrize("gemm", ["int8", "fp64", "int8_mm", "int8_fused"])
 def test_fused_head_gives_the_reference_bits_forward_and_backward(gemm):
     h, w, t = lm_head_inputs(9, 40, 90, torch.bfloat16, seed=3)
     t[2] = -100
@@ -87,3 +111,81 @@ def test_fused_head_gives_the_reference_bits_forward_and_backward(gemm):
         results.append([x.detach().cpu() for x in (*res, hh.grad, ww.grad, bb.grad)])
     for a, b in zip(*results, strict=True):
         assert_bitwise_equal(a, b)
+
+
+# --- the fused route: quantise-and-slice in one pass, L3-L5 in one kernel ---
+
+
+def _hard_rows(dtype, gen):
+    """Rows over a wide exponent range: zeros, subnormals, the dtype's extremes, a NaN row
+    and an inf row, H not a multiple of any block."""
+    x = torch.randn(21, 301, generator=gen) * torch.logspace(-30, 30, 301).unsqueeze(0)
+    x[0] = 0.0
+    x[1, ::3] = 1e-40  # subnormal in fp32, 0 in fp16
+    x[2, 5] = float("nan")
+    x[3, 7] = -float("inf")
+    x = x.to(dtype)
+    x[4, 0] = torch.finfo(dtype).max
+    x[5, 1:] = 0.0
+    x[5, 0] = -torch.finfo(dtype).tiny  # a row whose maximum is its smallest normal
+    return x
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_head_slices_are_the_quantised_diagonal_layout(dtype):
+    x = _hard_rows(dtype, torch.Generator().manual_seed(4))
+    e, finite = lc.row_exponents(x)
+    strided = torch.cat([x, x], dim=1)[:, : x.shape[1]]  # a row stride that is not H
+    for rows in (x, strided):
+        for reverse in (False, True):
+            got = linear_kernels.head_slices(rows.to(DEVICE), e.to(DEVICE), finite.to(DEVICE),
+                                             reverse).cpu()  # fmt: skip
+            want = lc.diagonal_layout(lc.quantize(x, e, finite), reverse=reverse)
+            assert torch.equal(got, want), (dtype, reverse)
+
+
+def _head_logits(h, w, bias=None, scale=1.0):
+    """(fused kernel's logits, linear_contract.logits_block's) of h and w."""
+    e, fin_h = lc.row_exponents(h)
+    f, fin_w = lc.row_exponents(w)
+    row_scale, col_scale = lc.unit_scales(e - 2 * lc.QBITS, fin_h), lc.unit_scales(f, fin_w)
+    want = lc.logits_block(lc.quantize(h, e, fin_h), row_scale, lc.quantize(w, f, fin_w),
+                           col_scale, bias, scale)  # fmt: skip
+    dev = [t.to(DEVICE) for t in (h, e, fin_h, w, f, fin_w, row_scale, col_scale)]
+    a3 = linear_kernels.head_slices(dev[0], dev[1], dev[2], reverse=True)
+    c3 = linear_kernels.head_slices(dev[3], dev[4], dev[5], reverse=False)
+    bias = None if bias is None else bias.to(DEVICE)
+    got = linear_kernels.head_logits(a3, dev[6], c3, dev[7], bias, scale).cpu()
+    return got, want
+
+
+def test_head_logits_round_like_the_contract_on_hard_values():
+    gen = torch.Generator().manual_seed(5)
+    for dtype in (torch.bfloat16, torch.float32):
+        h = _hard_rows(dtype, gen)
+        w = _hard_rows(dtype, gen)[:, torch.randperm(301, generator=gen)]
+        bias = torch.randn(21, generator=gen).to(dtype)
+        for b, s in ((None, 1.0), (bias, 0.625), (None, 3.0)):
+            got, want = _head_logits(h, w, b, s)
+            assert_bitwise_equal(got, want, f"{dtype} bias={b is not None} scale={s}")
+
+
+def test_head_logits_round_integers_past_2_to_the_53_and_fold_the_accumulators(monkeypatch):
+    """H = 8194, built so that Z = 2^53 + 2^29 + 1: fp64 rounds it to 2^53 + 2^29, which is
+    halfway between two fp32 values, so rounding twice to nearest gives 2^13 where the
+    correctly rounded z = Z 2^-40 is 2^13 + 2^-10; the epilogue's rounding to odd must get
+    it (and its negative, and Z = 2^53 + 2^29 - 1). Then, with the fold every 64 columns
+    instead of every 2^18, each diagonal's int32 accumulator is folded many times."""
+    one = 1.0 - 2.0**-24  # quantises to 2^20 in a row whose largest value it is
+    h = torch.full((3, 8194), one)
+    h[:, 0] = torch.tensor([1.0, -1.0, 1.0]) * 2.0**-20  # A[n, 0] = 1, -1, 1
+    h[2] = -h[2]
+    w = torch.full((1, 8194), one)
+    w[0, 0], w[0, -1] = 2.0**-20, 2.0**-11  # C = [1, 2^20 x 8192, 512]
+    got, want = _head_logits(h, w)
+    assert_bitwise_equal(got, want)
+    assert got[:, 0].tolist() == [2.0**13 + 2.0**-10, 2.0**13, -(2.0**13 + 2.0**-10)]
+    gen = torch.Generator().manual_seed(6)
+    monkeypatch.setattr(linear_kernels, "FOLD_K", linear_kernels.HEAD_BLOCK_K)
+    got, want = _head_logits(torch.randn(3, 200, generator=gen), torch.randn(5, 200, generator=gen))
+    assert_bitwise_equal(got, want)

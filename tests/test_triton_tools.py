@@ -40,8 +40,10 @@ def test_compiled_kernels_keep_the_contract(tmp_path):
         pytest.skip(f"Triton cannot compile for sm_90 here: {done.stdout.strip()}")
     assert done.returncode == 0, done.stdout + done.stderr
     # max, terms, finalize, gradient, the value tables' kernels and the exact GEMM, at the
-    # Qwen3-Next shape and at one row (a decode step): all compile and keep the contract
-    assert done.stdout.count("| yes |") == 21 and "| NO |" not in done.stdout, done.stdout
+    # Qwen3-Next shape and at one row (a decode step), and the fused head's two kernels:
+    # all compile and keep the contract
+    assert done.stdout.count("| yes |") == 23 and "| NO |" not in done.stdout, done.stdout
+    assert "| head_logits_kernel" in done.stdout or "| head[" in done.stdout, done.stdout
     assert "| finalize[" in done.stdout and ":sums |" in done.stdout, done.stdout
     assert "| exact_dot[rows=1] | yes |" in done.stdout, done.stdout
 
@@ -61,8 +63,14 @@ def test_gpu_check_runs_end_to_end_in_the_interpreter(tmp_path):
     assert {r["output"] for r in drawn} == set(Finalized._fields)
     # every stage ran and was written (bandwidth needs CUDA)
     cuda = torch.cuda.is_available()
-    stages = ["bits", "fused", "latency", *(["bandwidth"] if cuda else []), "ptx"]
+    stages = ["bits", "fused", "latency", *(["bandwidth"] if cuda else []), "ptx", "profile"]
     assert report["stages_done"] == stages
+    # where the time goes: every part ran and the probe's integers were checked
+    prof = report["profile"]
+    assert {r["call"] for r in prof["kernels"]} >= {"core op forward", "core op forward+backward"}
+    assert all(r["kernels"] for r in prof["kernels"]) and len(prof["host"]) == 2
+    assert len(prof["ceilings"]) == 5 and len(prof["bf16_probe"]) == 6
+    assert all(r["wrong"] == 0 for r in prof["bf16_probe"]) or cuda  # numpy adds exactly
     # batch invariance: three heads x two batch sizes; the exact head agrees with itself
     assert len(report["invariance"]) == 6
     exact = [r for r in report["invariance"] if r["must_agree"]]

@@ -8,6 +8,7 @@ from .linear import (
     linear_logits,
     linear_selected_logprobs,
 )
+from .prepared import PreparedLMHead, prepare_lm_head
 from .sampling import ProcessedLogprobs, SamplingMask, processed_logprobs, sample, sampling_mask
 from .warmup import warmup
 
@@ -17,6 +18,7 @@ __all__ = [
     "CONTRACT",
     "LOGITS_CONTRACT",
     "LogprobResult",
+    "PreparedLMHead",
     "ProcessedLogprobs",
     "SamplingMask",
     "SelectedLogprobs",
@@ -24,6 +26,7 @@ __all__ = [
     "gather_sequence_parallel",
     "linear_logits",
     "linear_selected_logprobs",
+    "prepare_lm_head",
     "processed_logprobs",
     "sample",
     "sampling_mask",

@@ -108,7 +108,7 @@ def selected_logprobs(
         rows = row_view(vocab_parallel_logits)
         outputs = autograd.selected_logprobs_rows(
             rows,
-            target.reshape(-1).to(torch.int64),
+            flat_int64(target),
             None if keep_mask is None else keep_mask.reshape(rows.shape),
             call,
         )
@@ -139,9 +139,17 @@ def _logits_call(*, logits, keep_mask, target, **options) -> Call:
     return cached(key, build)
 
 
+def flat_int64(target: torch.Tensor) -> torch.Tensor:
+    """(N,) int64 target ids (a view, or the same tensor, where they already are)."""
+    flat = target if target.dim() == 1 else target.reshape(-1)
+    return flat if flat.dtype == torch.int64 else flat.to(torch.int64)
+
+
 def shaped_result(call: Call, logprobs, entropy, lse) -> LogprobResult:
     """The (N,) outputs in the caller's target shape; entropy None unless asked for."""
     shape = call.target_shape
+    if logprobs.shape == shape:  # (N,) targets: nothing to reshape
+        return LogprobResult(logprobs, entropy if call.with_entropy else None, lse)
     return LogprobResult(
         logprobs.view(shape),
         entropy.view(shape) if call.with_entropy else None,

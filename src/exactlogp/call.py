@@ -151,17 +151,20 @@ def tensor_key(t):
     return ("tensor", t.shape, t.dtype, t.device, t.requires_grad)
 
 
+_PLAIN = frozenset((type(None), bool, int, float, str, tuple))
+
+
 def static_key(*parts) -> tuple | None:
     """The cache key of a call's static arguments and grad mode, or None when one of them
     is not plain: a tensor that is no plain tensor, or a value of another type than None,
     bool, int, float, str, a tensor key, a Backend or a Group (a tensor temperature, say)."""
-    key = [torch.is_grad_enabled(), contract.CONTRACT]  # the contract: what a call checks
-    for part in parts:
-        plain = part is None or type(part) in (bool, int, float, str, tuple)
-        if part is _NOT_PLAIN or not (plain or isinstance(part, (Backend, distributed.Group))):
+    kinds = tuple(map(type, parts))  # the types too: True and 1 stay apart
+    for part, kind in zip(parts, kinds, strict=True):
+        if part is _NOT_PLAIN or (
+            kind not in _PLAIN and not isinstance(part, (Backend, distributed.Group))
+        ):
             return None
-        key.append((type(part), part))
-    return tuple(key)
+    return (torch.is_grad_enabled(), contract.CONTRACT, kinds, parts)
 
 
 def cached(key: tuple | None, build):

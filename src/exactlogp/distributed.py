@@ -11,7 +11,7 @@ helper an all_gather of rows (linear.py).
 from __future__ import annotations
 
 import threading
-from contextlib import contextmanager
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -41,13 +41,16 @@ class Group:
             return None
 
 
+NO_GROUP = Group(None, 0, 1)  # tp_group=None: the whole vocabulary in this process
+
+
 def resolve(group) -> Group:
     """Group(handle, rank, size) of `group`: None is a group of one (no TP). Objects with
     rank() and size() methods (a ProcessGroup, or what Megatron's get_pg_rank accepts) are
     asked directly; a process that is not a member of `group` is refused here, since
     it can take part in none of the group's collectives."""
     if group is None:
-        return Group(None, 0, 1)
+        return NO_GROUP
     import torch.distributed as dist
     from torch.distributed.distributed_c10d import GroupMember
 
@@ -144,15 +147,14 @@ _locks: dict[int, threading.Lock] = {}
 _locks_guard = threading.Lock()
 
 
-@contextmanager
+_ALONE = nullcontext()  # a group of one: nothing to serialise
+
+
 def serialized(group: Group):
     """Calls on one group from several threads of this process run one after another,
     so each call's collectives stay together. (Which thread goes first may still differ
     between ranks; the agreement fields then tell the calls apart, see agreement.py.)"""
     if not group.distributed:
-        yield
-        return
+        return _ALONE
     with _locks_guard:
-        lock = _locks.setdefault(id(group.handle), threading.Lock())
-    with lock:
-        yield
+        return _locks.setdefault(id(group.handle), threading.Lock())

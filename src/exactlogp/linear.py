@@ -40,6 +40,7 @@ from .autograd import (
 )
 from .backends import Backend, get_backend
 from .call import Call, LinearOptions, device_of, make_call
+from .prepared import PreparedLMHead, unwrap
 
 ROW_BLOCK = 256  # rows per forward block: fixed, so every rank issues the same collectives
 LOGITS_BUDGET = 128 << 20  # bytes of fp32 logits computed per pass over the weight (at
@@ -62,41 +63,66 @@ def _linear_fields(hidden, bias, scale: float) -> dict:
 
 
 class _Weight:
-    """The weight shard's exponents, quantized one block of rows at a time."""
+    """The weight shard's exponents, quantized one block of rows at a time -- or, on a
+    backend with a fused head, sliced once into its int8 diagonal layout (kept by a
+    PreparedLMHead across calls, by this object for one call)."""
 
-    def __init__(self, weight, bias, scale: float, backend):
+    def __init__(self, weight, bias, scale: float, backend, prepared=None):
         self.weight, self.bias, self.scale, self.backend = weight, bias, scale, backend
-        self.f, self.finite = lc.row_exponents(weight)
-        self.col_scale = lc.unit_scales(self.f, self.finite)
+        self.prepared = prepared or PreparedLMHead(weight, backend)
+        self.f, self.finite = self.prepared.f, self.prepared.finite
+        self.col_scale = self.prepared.col_scale
         h = max(weight.shape[1], 1)
         self.block = max(1, WEIGHT_BLOCK_ELEMENTS // h)
+        self.fused = backend.fused_head(weight.device)
+
+    @property
+    def c3(self) -> torch.Tensor:
+        """(V_local, 3H) int8: the fused head's weight layout."""
+        return self.prepared.c3(self.backend)
 
     def slices(self, size: int):
         for v0 in range(0, self.weight.shape[0], size):
             yield slice(v0, min(v0 + size, self.weight.shape[0]))
 
+    def quantized(self, rows: slice) -> torch.Tensor:
+        """(P, H) fp64: the integers of these weight rows."""
+        return lc.quantize(self.weight[rows], self.f[rows], self.finite[rows])
+
     def blocks(self, size: int | None = None):
         """(slice, quantized rows (P, H) fp64) over the shard's rows."""
         for rows in self.slices(size or self.block):
-            yield rows, lc.quantize(self.weight[rows], self.f[rows], self.finite[rows])
+            yield rows, self.quantized(rows)
 
-    def logits(self, a, row_scale, rows: slice, c, out=None) -> torch.Tensor:
+    def hidden(self, hidden):
+        """(integers, row scales 2^(e - 2 QBITS) or NaN) of hidden rows: fp64 (R, H), or the
+        (R, 3H) int8 diagonal layout on a fused head."""
+        e, finite = lc.row_exponents(hidden)
+        if self.fused:
+            a = self.backend.head_slices(hidden, e, finite, reverse=True)
+        else:
+            a = lc.quantize(hidden, e, finite)
+        return a, lc.unit_scales(e - 2 * lc.QBITS, finite)
+
+    def logits(self, a, row_scale, rows: slice, c=None, out=None) -> torch.Tensor:
+        """(R, P) fp32 logits of weight rows `rows` (their integers c; a fused head reads
+        its own layout)."""
         bias = None if self.bias is None else self.bias[rows]
+        if self.fused:
+            return self.backend.head_logits(
+                a, row_scale, self.c3[rows], self.col_scale[rows], bias, self.scale, out
+            )
         return lc.logits_block(
             a, row_scale, c, self.col_scale[rows], bias, self.scale, self.backend.exact_dot, out
         )
 
 
-def _hidden(hidden):
-    """(integers, row scales 2^(e - 2 QBITS) or NaN) of hidden rows."""
-    e, finite = lc.row_exponents(hidden)
-    return lc.quantize(hidden, e, finite), lc.unit_scales(e - 2 * lc.QBITS, finite)
-
-
 def _logits(hidden, w: _Weight) -> torch.Tensor:
     """(R, V_local) fp32: contract exactlogp-linear-v1 for these rows."""
-    a, row_scale = _hidden(hidden)
+    a, row_scale = w.hidden(hidden)
     out = torch.empty(hidden.shape[0], w.weight.shape[0], dtype=torch.float32, device=a.device)
+    if w.fused:  # one kernel over the whole shard
+        return w.logits(a, row_scale, slice(0, w.weight.shape[0]), out=out)
     for rows, c in w.blocks():
         w.logits(a, row_scale, rows, c, out[:, rows])
     return out
@@ -107,16 +133,16 @@ def _logits(hidden, w: _Weight) -> torch.Tensor:
 
 class LinearLogitsFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, scale, backend):
+    def forward(ctx, hidden, weight, bias, scale, backend, prepared):
         ctx.save_for_backward(hidden, weight, bias)
-        ctx.scale, ctx.backend = scale, backend
-        return _logits(hidden, _Weight(weight, bias, scale, backend))
+        ctx.scale, ctx.backend, ctx.prepared = scale, backend, prepared
+        return _logits(hidden, _Weight(weight, bias, scale, backend, prepared))
 
     @staticmethod
     @once_differentiable
     def backward(ctx, g_logits):
         hidden, weight, bias = ctx.saved_tensors
-        w = _Weight(weight, bias, ctx.scale, ctx.backend)
+        w = _Weight(weight, bias, ctx.scale, ctx.backend, ctx.prepared)
         g = g_logits.to(torch.float64) * ctx.scale  # exact: fp32 * fp32
         live = g.abs().amax(-1) != 0  # also true for NaN
         grads = _Grads(hidden, w, live, ctx.needs_input_grad)
@@ -126,13 +152,13 @@ class LinearLogitsFunction(torch.autograd.Function):
         big = grads.grid()
         for rows, c in w.blocks(_grad_block(hidden.shape[0])):
             grads.hidden_block(rows, c, g[:, rows], big)
-        return grads.hidden(big), grads.dw, grads.db, None, None
+        return grads.hidden(big), grads.dw, grads.db, None, None, None
 
 
 class LinearSelectedLogprobsFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, target, call: Call):
-        w = _Weight(weight, bias, call.linear.logit_scale, call.backend)
+    def forward(ctx, hidden, weight, bias, target, call: Call, prepared):
+        w = _Weight(weight, bias, call.linear.logit_scale, call.backend, prepared)
         n = hidden.shape[0]
         # a strong hash of each row's bits rides the MAX: ranks with other hidden states fail
         hashes = agreement.row_hash(hidden) if call.group.distributed else None
@@ -150,7 +176,7 @@ class LinearSelectedLogprobsFunction(torch.autograd.Function):
         forward = _combine(parts, n, hidden.device)
         if call.validate:
             validate_rows(forward, target, call)
-        ctx.call, ctx.hashes = call, hashes
+        ctx.call, ctx.hashes, ctx.prepared = call, hashes, prepared
         ctx.poisoned = None if forward.ranks is None else _HostFlag(forward.ranks.poison)
         return save_forward(ctx, (hidden, weight, bias, target), forward)
 
@@ -163,41 +189,41 @@ class LinearSelectedLogprobsFunction(torch.autograd.Function):
         hidden, weight, bias, target = inputs
         call = ctx.call
         scale = call.linear.logit_scale
-        w = _Weight(weight, bias, scale, call.backend)
-        a, row_scale = _hidden(hidden)
+        w = _Weight(weight, bias, scale, call.backend, ctx.prepared)
+        a, row_scale = w.hidden(hidden)
         grads = _Grads(hidden, w, ~stats.silent, ctx.needs_input_grad)
         block = _grad_block(hidden.shape[0])
 
-        def dlogits(rows: slice, c) -> torch.Tensor:  # (N, P) fp64: dL/dz * logit_scale
+        def dlogits(rows: slice, c=None) -> torch.Tensor:  # (N, P) fp64: dL/dz * logit_scale
             z = w.logits(a, row_scale, rows, c)
             plan = replace(call.plan, vocab_start=call.plan.vocab_start + rows.start)
             g = call.backend.grad(z, target, tau, None, stats, plan).to(torch.float64)
             return g if scale == 1.0 else g.mul_(scale)  # exact
 
-        for rows, c in w.blocks(block):  # pass 1
-            g = dlogits(rows, c)
+        for rows in w.slices(block):  # pass 1
+            g = dlogits(rows, None if w.fused else w.quantized(rows))
             grads.weight_block(rows, g)
             grads.track(rows, g)
         if not grads.needs_hidden:  # no collective: nothing the ranks must pair
-            return None, grads.dw, grads.db, None, None
+            return None, grads.dw, grads.db, None, None, None
         group = call.group
         if not group.distributed:
             big = grads.grid()
             for rows, c in w.blocks(block):  # pass 2
                 grads.hidden_block(rows, c, dlogits(rows, c), big)
-            return grads.hidden(big), grads.dw, grads.db, None, None
+            return grads.hidden(big), grads.dw, grads.db, None, None, None
         # the backward's collectives, under the group's lock as the forward's are
         with distributed.serialized(group):
             if ctx.poisoned:  # the forward failed closed on every rank: no collective here
                 grads.disagree = torch.ones((), dtype=torch.bool, device=hidden.device)
                 dh = grads.poison(torch.empty_like(hidden))
-                return dh, grads.poison(grads.dw), grads.poison(grads.db), None, None
+                return dh, grads.poison(grads.dw), grads.poison(grads.db), None, None, None
             rows_check = torch.cat([target.unsqueeze(0), ctx.hashes, agreement.row_hash(upstream)])
             big = grads.grid(group, BackwardCheck(call, rows_check))
             for rows, c in w.blocks(block):  # pass 2
                 grads.hidden_block(rows, c, dlogits(rows, c), big)
             dh = grads.hidden(big, group)
-        return grads.poison(dh), grads.poison(grads.dw), grads.poison(grads.db), None, None
+        return grads.poison(dh), grads.poison(grads.dw), grads.poison(grads.db), None, None, None
 
 
 class _HostFlag:
@@ -395,7 +421,7 @@ def _combine(parts: list[Forward], n: int, device) -> Forward:
 @eager_only
 def linear_logits(
     hidden: torch.Tensor,
-    weight: torch.Tensor,
+    weight: torch.Tensor | PreparedLMHead,
     bias: torch.Tensor | None = None,
     *,
     logit_scale: float = 1.0,
@@ -406,19 +432,21 @@ def linear_logits(
 
     The same bits for any batch, row order, vocab shard and backend. Differentiable w.r.t.
     hidden, weight and bias (exact integer sums, rounded once; the hidden gradient is this
-    shard's part -- linear_selected_logprobs sums it over the TP group itself).
+    shard's part -- linear_selected_logprobs sums it over the TP group itself). `weight`
+    may be a PreparedLMHead (prepare_lm_head): the same bits, less work per call.
     """
+    weight, prepared = unwrap(weight)
     scale = validation.check_linear(hidden, weight, bias, logit_scale)
     impl = get_backend(backend, hidden.device)
     h = hidden.reshape(-1, hidden.shape[-1])
-    out = LinearLogitsFunction.apply(h, weight, bias, scale, impl)
+    out = LinearLogitsFunction.apply(h, weight, bias, scale, impl, prepared)
     return out.view(*hidden.shape[:-1], weight.shape[0])
 
 
 @eager_only
 def linear_selected_logprobs(
     hidden: torch.Tensor,
-    weight: torch.Tensor,
+    weight: torch.Tensor | PreparedLMHead,
     target: torch.Tensor,
     *,
     bias: torch.Tensor | None = None,
@@ -439,7 +467,8 @@ def linear_selected_logprobs(
         hidden: (..., H) bf16/fp16/fp32 final hidden states, the same on every TP rank
             (taken from before any copy-to-tensor-parallel region: the hidden gradient is
             summed over the vocab shards here, on every rank).
-        weight: (V_local, H) this rank's LM-head rows, hidden's dtype.
+        weight: (V_local, H) this rank's LM-head rows, hidden's dtype, or a PreparedLMHead
+            of them (prepare_lm_head: for a weight that several calls share).
         target: (...) global token ids, hidden's shape without H.
         bias: (V_local,) or None.
         logit_scale: multiplies the logits (fp32) before the temperature divides them
@@ -450,6 +479,7 @@ def linear_selected_logprobs(
     and bias (this shard's rows), exact integer sums rounded once; rows without a gradient
     (ignored, or zero upstream) take part in nothing.
     """
+    weight, prepared = unwrap(weight)
     group = distributed.resolve(tp_group)
     with distributed.serialized(group):
         call = agreement.checked(
@@ -461,7 +491,7 @@ def linear_selected_logprobs(
         )  # fmt: skip
         outputs = LinearSelectedLogprobsFunction.apply(
             hidden.reshape(-1, hidden.shape[-1]), weight, bias,
-            target.reshape(-1).to(torch.int64), call,
+            target.reshape(-1).to(torch.int64), call, prepared,
         )  # fmt: skip
     return shaped_result(call, *outputs)
 

@@ -113,21 +113,31 @@ def check_temperature(temperature, target: torch.Tensor) -> Temperature:
     return Temperature(tau)
 
 
-def check_linear(hidden, weight, bias, logit_scale) -> float:
-    """The hidden states, the weight shard and the bias; returns logit_scale in fp32."""
-    for name, t in (("hidden", hidden), ("weight", weight)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dtype not in LOGIT_DTYPES:
-            raise TypeError(f"{name} must be bfloat16, float16 or float32, got {t.dtype}")
-    if hidden.dim() < 1:
-        raise ValueError("hidden must have a hidden dimension (..., H), got a 0-d tensor")
+def _check_float_tensor(name: str, t) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in LOGIT_DTYPES:
+        raise TypeError(f"{name} must be bfloat16, float16 or float32, got {t.dtype}")
+
+
+def check_weight(weight) -> None:
+    """An LM-head weight shard: a real (V_local, H) bf16/fp16/fp32 tensor."""
+    _check_float_tensor("weight", weight)
     if weight.dim() != 2:
         raise ValueError(f"weight must be (V_local, H), got shape {tuple(weight.shape)}")
-    if weight.dtype != hidden.dtype:
+    check_real("weight", weight)
+
+
+def check_linear(hidden, weight, bias, logit_scale) -> float:
+    """The hidden states, the weight shard and the bias; returns logit_scale in fp32."""
+    _check_float_tensor("hidden", hidden)
+    _check_float_tensor("weight", weight)
+    if hidden.dim() < 1:
+        raise ValueError("hidden must have a hidden dimension (..., H), got a 0-d tensor")
+    if weight.dim() == 2 and weight.dtype != hidden.dtype:
         raise TypeError(f"weight dtype {weight.dtype} must equal hidden dtype {hidden.dtype}")
     check_real("hidden", hidden)
-    check_real("weight", weight)
+    check_weight(weight)
     h = hidden.shape[-1]
     if h == 0:
         raise ValueError(

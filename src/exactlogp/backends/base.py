@@ -35,6 +35,8 @@ def row_view(t: torch.Tensor) -> torch.Tensor:
     """(..., V) as rows without a copy: (N, V) where the leading dims merge into one, else
     (B, T, V) where they merge into two (logits[:, :-1, :] of (B, T + 1, V) logits: its
     rows are not evenly spaced), else a copy as (N, V). Backends read all three."""
+    if t.dim() == 2:  # already rows
+        return t
     v = t.shape[-1]
     n = math.prod(t.shape[:-1])
     try:
@@ -65,6 +67,9 @@ def take_rows(rows: torch.Tensor, block: slice) -> torch.Tensor:
 
 # value_tables: a speed option of the cpu and triton backends; every mode gives the same bits
 VALUE_TABLE_MODES = ("auto", "always", "never")
+# exact_gemm: the triton backend's route for the exact LM head's integer GEMM (triton/launch.py)
+EXACT_GEMM_MODES = ("auto", "fp64", "int8", "int8_mm", "int8_fused")
+EXACT_GEMM_ROUTES = EXACT_GEMM_MODES[1:]  # the modes that name one route
 
 
 def check_mode(option: str, value, modes: tuple[str, ...]) -> str:
@@ -158,3 +163,8 @@ class Backend:
         operands (M, K) and (P, K). By default fp64 GEMMs over K-chunks, which are exact
         (linear_contract.float_exact_dot) on any device torch runs a GEMM on."""
         return linear_contract.float_exact_dot(a, c)
+
+    def fused_head(self, device: torch.device) -> bool:
+        """Whether this backend computes a block of LM-head logits in one piece on `device`
+        (head_slices + head_logits) instead of through exact_dot."""
+        return False

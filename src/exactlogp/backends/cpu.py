@@ -16,7 +16,6 @@ source and docs/performance.md).
 from __future__ import annotations
 
 import ctypes
-import functools
 
 import torch
 
@@ -104,16 +103,21 @@ def _unit_column_stride(t: torch.Tensor) -> torch.Tensor:
     return t if t.shape[-1] <= 1 or t.stride(-1) == 1 else t.contiguous()
 
 
+def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """t as a contiguous tensor of `dtype` (t itself when it already is: no torch call)."""
+    return t if t.dtype == dtype and t.is_contiguous() else t.to(dtype).contiguous()
+
+
 def _f32(t: torch.Tensor) -> torch.Tensor:
-    return t.to(torch.float32).contiguous()
+    return _as(t, torch.float32)
 
 
 def _f64(t: torch.Tensor) -> torch.Tensor:
-    return t.to(torch.float64).contiguous()
+    return _as(t, torch.float64)
 
 
 def _i64(t: torch.Tensor) -> torch.Tensor:
-    return t.to(torch.int64).contiguous()
+    return _as(t, torch.int64)
 
 
 def _flags(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -210,19 +214,19 @@ class CpuBackend(Backend):
     def _rows(n: int, row_max: torch.Tensor | None = None, record: torch.Tensor | None = None):
         """(elp_rows, Finalized) over fresh per-row tensors; row_max and record are the
         given ones (finalize reads them) or fresh (the fused forward writes them)."""
-        f32 = functools.partial(torch.empty, n, dtype=torch.float32)  # outputs: their own
-        # the statistics saved for backward (never returned) in one allocation
-        s_hi, s_lo, log_s, entropy64 = torch.empty(4, n, dtype=torch.float64).unbind(0)
+        empty, f32, f64 = torch.empty, torch.float32, torch.float64
+        # the statistics saved for backward (never returned) in one allocation; the outputs
+        # each their own (a caller may write to one in place)
+        s_hi, s_lo, log_s, entropy64 = empty(4, n, dtype=f64).unbind(0)
         fin = contract.Finalized(
-            logprobs=f32(), entropy=f32(), lse=f32(), s_hi=s_hi, s_lo=s_lo, log_s=log_s,
-            entropy64=entropy64, bad=torch.empty(n, dtype=torch.int64),
-            ignored=torch.empty(n, dtype=torch.bool),
+            empty(n, dtype=f32), empty(n, dtype=f32), empty(n, dtype=f32), s_hi, s_lo, log_s,
+            entropy64, empty(n, dtype=torch.int64), empty(n, dtype=torch.bool),
         )  # fmt: skip
-        row_max = f32() if row_max is None else row_max
+        row_max = empty(n, dtype=f32) if row_max is None else row_max
         if record is None:
-            record = torch.empty(n, contract.NUM_COLS, dtype=torch.int64)
-        tensors = (row_max, record, *fin)
-        return _Rows(*(t.data_ptr() for t in tensors)), row_max, record, fin
+            record = empty(n, contract.NUM_COLS, dtype=torch.int64)
+        rows = _Rows(row_max.data_ptr(), record.data_ptr(), *[t.data_ptr() for t in fin])
+        return rows, row_max, record, fin
 
     # --- the passes ---
 

@@ -22,11 +22,11 @@ import exactlogp
 
 from .. import worlds
 from ..backends import get_backend
+from ..backends.base import EXACT_GEMM_ROUTES
 from ..report import candidates, measure
 from ..testing import bit_pattern, compare_bits, lm_head_inputs
 
 QWEN3_NEXT_HIDDEN = 2048
-GEMM_PATHS = ("fp64", "int8", "int8_mm")  # TritonBackend's exact_gemm modes
 
 
 def gemm_backend(device: torch.device, mode: str):
@@ -53,7 +53,7 @@ def run_bits(device: torch.device, tiny: bool, log) -> list[dict]:
         return {k: x.detach().cpu() for k, x in named.items()}
 
     want = run("reference", torch.device("cpu"))
-    for mode in GEMM_PATHS:
+    for mode in EXACT_GEMM_ROUTES:
         log(f"  fused head {n} x {h} x {v}: triton ({mode} GEMM) on {device}, reference on CPU")
         got = run(gemm_backend(device, mode), device)
         for name in want:
@@ -145,7 +145,7 @@ def latency(device: torch.device, tiny: bool, repeats: int, warmup: int, log) ->
             (-lp.sum()).backward()
         return lp
 
-    for mode in GEMM_PATHS:
+    for mode in EXACT_GEMM_ROUTES:
         steps[f"exactlogp linear_selected_logprobs (triton, {mode} GEMM)"] = exact(mode)
     steps["torch bf16 GEMM + fp32 log_softmax"] = torch_pipeline
     clock = measure.CudaEventClock(device) if device.type == "cuda" else None

@@ -27,8 +27,12 @@
    the CPU; batch invariance on the device (rows' logits and logprobs one row per call, 7
    per call and all at once: the exact head must agree, the torch bf16 / fp32 heads'
    differences are counted); its latency against the bf16 LM-head GEMM + megatron-core's CE.
+6. Where the time goes (profile.py): GEMM ceilings at the real shapes, kernels and launches
+   per call (torch.profiler), the host's functions (cProfile), forward+backward from a CUDA
+   graph, and an exactness probe of bf16 tl.dot on integer slices.
 
-The stages run in the order bits, fused LM head, latency, bandwidth, compiled code, and
+The stages run in the order bits, fused LM head, latency, bandwidth, compiled code,
+profile, and
 gpu_check.json and gpu_check.md are written to --out after each one, so a run cut short
 keeps the stages it finished ("stages run" in the report).
 
@@ -56,9 +60,9 @@ import torch
 import exactlogp
 
 from .. import contract
-from . import bits, linear, speed
+from . import bits, linear, profile, speed
 
-STAGES = ("bits", "latency", "bandwidth", "ptx", "fused")
+STAGES = ("bits", "latency", "bandwidth", "ptx", "fused", "profile")
 
 
 def environment(device) -> dict:
@@ -129,6 +133,8 @@ def markdown(report: dict) -> str:
 
         results = [Result(**r) for r in report["ptx"]]
         lines += ["", "## 4. Compiled code", "", ptx_markdown(results, report["ptx_arch"])]
+    if report.get("profile"):
+        lines += profile.markdown(report["profile"])
     if report["notes"]:
         lines += ["", "## Notes", ""] + [f"- {n}" for n in report["notes"]]
     return "\n".join(lines) + "\n"
@@ -226,6 +232,11 @@ def main(argv: list[str] | None = None) -> int:
         log("compiled code")
         _ptx(device, args.tiny, report, log)
         save("ptx")
+    if "profile" not in args.skip:
+        log("where the time goes")
+        report["profile"], notes = profile.run(device, args.tiny, args.repeats, args.warmup, log)
+        report["notes"] += notes
+        save("profile")
     log(markdown(report))
     ok = all(bits.passed(r) for r in report["bits"])
     ok = ok and all(linear.invariance_passed(r) for r in report["invariance"])

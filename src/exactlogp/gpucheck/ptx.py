@@ -60,8 +60,9 @@ ROWS, VOCAB, SMS = 1024, 151936, 132
 @dataclass(frozen=True)
 class Variant:
     kernel: str  # "row_max" | "partials" | "grad" | "finalize" | "tables" | "tables_grad"
-    #              | "exact_dot"
-    dtype: torch.dtype | None  # of the logits; None for finalize and exact_dot
+    #              | "exact_dot" | "head" (the fused LM head: head_slices, head_logits)
+    dtype: torch.dtype | None  # of the logits (head: of the hidden states); None for
+    #                            finalize and exact_dot
     flags: tuple[str, ...] = ()  # "tau", "keep", "entropy"; finalize: "vocab_size", "bad_tau"
     rows: int = ROWS  # 1: a decode step (sizes of 1 are compile-time constants)
 
@@ -84,6 +85,7 @@ def variants(quick: bool) -> list[Variant]:
         Variant("tables", bf16, ("tau", "keep", "entropy")),
         Variant("tables_grad", bf16, ("tau", "keep", "entropy")),
         Variant("exact_dot", None),
+        Variant("head", bf16),
         # a decode step: one row
         Variant("row_max", bf16, ("tau", "keep"), rows=1),
         Variant("partials", bf16, ("tau", "keep", "entropy"), rows=1),
@@ -104,6 +106,7 @@ def variants(quick: bool) -> list[Variant]:
         Variant("grad", f32, ("tau", "keep", "entropy")),
         Variant("tables", f16),
         Variant("tables_grad", f16, ("entropy",)),
+        Variant("head", bf16, rows=1),
     ]
 
 
@@ -124,7 +127,7 @@ _KERNELS = {
     kernels: ("row_max_kernel", "partials_kernel", "finalize_kernel", "grad_kernel"),
     value_tables: ("count_kernel", "list_kernel", "sums_kernel", "grad_values_kernel",
                    "gather_kernel", "grad_target_kernel"),
-    linear_kernels: ("exact_dot_kernel",),
+    linear_kernels: ("exact_dot_kernel", "head_slices_kernel", "head_logits_kernel"),
 }  # fmt: skip
 # integer-only kernels: launched without enable_fp_fusion, no fp64 division
 _INTEGER_ONLY = {"count_kernel", "list_kernel", "gather_kernel", "exact_dot_kernel"}
@@ -168,6 +171,14 @@ def _launch(v: Variant, rows: int, vocab: int) -> None:
         zeros = torch.zeros  # int8_slices does arithmetic on them
         weight = zeros(_same_specialisation(vocab // 4), HIDDEN)
         linear_kernels.exact_dot(zeros(rows, HIDDEN), weight)
+        return
+    if v.kernel == "head":  # the same, on the fused route, with a bias and a logit scale
+        p = _same_specialisation(vocab // 4)
+        e, finite = empty(rows, dtype=torch.int64), empty(rows, dtype=torch.bool)
+        a3 = linear_kernels.head_slices(empty(rows, HIDDEN, dtype=v.dtype), e, finite, True)
+        c3, col_scale = empty(p, 3 * HIDDEN, dtype=torch.int8), empty(p, dtype=torch.float64)
+        row_scale, bias = empty(rows, dtype=torch.float64), empty(p, dtype=v.dtype)
+        linear_kernels.head_logits(a3, row_scale, c3, col_scale, bias, 0.5)
         return
     target = empty(rows, dtype=torch.int64)
     row_max = empty(rows, dtype=torch.float32)

@@ -38,7 +38,7 @@ import torch
 from ..linear import linear_logits, linear_selected_logprobs
 from ..validation import LOGIT_DTYPES
 from . import _patching, _rows
-from ._dtensor import is_dtensor, vocab_shard
+from ._dtensor import is_dtensor
 
 PATCH_KEY = "patch_trl"
 OPTIONAL_OUTPUTS = ("entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
@@ -151,7 +151,7 @@ def chunked_logprobs(
     """TRL 1.16's `ChunkedLogProbFunction` contract, computed by exactlogp.
 
     Args:
-        hidden: (N, H); weight: (V, H) (a DTensor sharded on V is used shard by shard);
+        hidden: (N, H); weight: (V, H) (a DTensor is gathered whole, as TRL does);
         bias: (V,) or None; targets: (N,) ids in [0, V) (-100 gives 0).
         temperature, logit_scale: z = (hidden @ weight.T + bias) * logit_scale / temperature.
         chunk_size: TRL's tile width; no effect on a bit here.
@@ -183,15 +183,12 @@ def chunked_logprobs(
         else nullcontext()
     ):
         hidden = hidden.to(compute)
-        head = _head(weight.to(compute) if not is_dtensor(weight) else weight, bias, compute)
+        head = _head(weight, bias, compute)
         result = linear_selected_logprobs(
             hidden,
             head.weight,
             targets,
             bias=head.bias,
-            tp_group=head.tp_group,
-            vocab_start=head.vocab_start,
-            vocab_size=head.vocab_size,
             temperature=temperature,
             logit_scale=logit_scale,
             with_entropy="entropy" in outputs,
@@ -369,25 +366,19 @@ def _fused_forward(model, backbone, text_config, args, kwargs, labels, shift_lab
 
 
 class _Head(types.SimpleNamespace):
-    """weight (V_local, H), bias, tp_group, vocab_start, vocab_size for exactlogp."""
+    """weight (V, H) and bias (V,) or None, whole, in the compute dtype."""
 
 
 def _head(weight, bias, compute) -> _Head:
-    if not is_dtensor(weight):
-        b = None if bias is None else bias.to(compute)
-        return _Head(weight=weight, bias=b, tp_group=None, vocab_start=None, vocab_size=None)
-    shard = vocab_shard(weight, 0)
-    b = bias
-    if b is not None and is_dtensor(b):
-        b_shard = vocab_shard(b, 0)
-        b = b_shard.local if shard.tp_group is not None else b.full_tensor()
-    return _Head(
-        weight=shard.local.to(compute),
-        bias=None if b is None else b.to(compute),
-        tp_group=shard.tp_group,
-        vocab_start=shard.vocab_start,
-        vocab_size=shard.vocab_size if shard.tp_group is not None else None,
-    )
+    """The head as TRL's own fused head takes it: a DTensor weight or bias (FSDP2 shards
+    them on their rows) gathered whole with `full_tensor()` -- whose backward gives each
+    rank the rows of the gradient it holds -- so each rank computes its own rows of data
+    over the whole vocabulary. Treating the shards as a tensor-parallel group instead
+    would pair ranks whose hidden states differ (data parallelism)."""
+    weight = weight.full_tensor() if is_dtensor(weight) else weight
+    if bias is not None and is_dtensor(bias):
+        bias = bias.full_tensor()
+    return _Head(weight=weight.to(compute), bias=None if bias is None else bias.to(compute))
 
 
 def _extras(result, hidden, head, targets, temperature, logit_scale, outputs):
@@ -397,17 +388,11 @@ def _extras(result, hidden, head, targets, temperature, logit_scale, outputs):
             # log sum_v p_v^2 = lse(2 z) - 2 lse(z), and 2 z is z at temperature / 2 exactly
             # (halving a float is exact), so both terms are exactlogp's log-sum-exp.
             half = linear_selected_logprobs(
-                hidden, head.weight, targets, bias=head.bias, tp_group=head.tp_group,
-                vocab_start=head.vocab_start, vocab_size=head.vocab_size,
-                temperature=temperature / 2, logit_scale=logit_scale,
+                hidden, head.weight, targets, bias=head.bias, temperature=temperature / 2,
+                logit_scale=logit_scale,
             )  # fmt: skip
             log_sum_sq = half.lse - 2 * result.lse.detach()
         if "mean_logits" in outputs or "is_top1" in outputs:
-            if head.tp_group is not None:
-                raise ValueError(
-                    "mean_logits and is_top1 are not computed for an LM head sharded over a "
-                    "tensor-parallel group; ask for log_probs and entropy only"
-                )
             mean_logits, is_top1 = _logit_stats(
                 hidden, head, targets, temperature, logit_scale, outputs
             )

@@ -15,6 +15,8 @@ Fused kernels (`use_fused_kernels=True`), computed by `exactlogp.linear_selected
 - `FusedLinearForPPO` (`verl.utils.experimental.torch_functional`) and
   `linear_cross_entropy(hidden, weight, labels, temperature, reduction, dist_process_group)`
   (`verl.utils.kernel.linear_cross_entropy`, the Triton path and Megatron's fused forward).
+  Under autocast (the FSDP engine's bf16 mixed precision) they compute in autocast's
+  dtype, as verl's own kernels do.
 
 `patch_verl()` swaps all of them into verl. verl divides the logits by the temperature
 itself, in their dtype, before these functions see them. Output dtypes are verl's: the
@@ -31,6 +33,7 @@ import importlib.util
 import os
 import sys
 import warnings
+from contextlib import nullcontext
 
 import torch
 
@@ -179,15 +182,25 @@ def linear_cross_entropy(
             f"reduction={reduction!r} is not supported: verl calls it with 'none'; reduce "
             "the per-token values yourself"
         )
+    temperature = _rows.check_positive_temperature(temperature)
     hidden = hidden.reshape(-1, hidden.shape[-1])
-    result = linear_selected_logprobs(
-        hidden,
-        weight,
-        labels.reshape(-1).to(torch.int64),
-        tp_group=dist_process_group,
-        temperature=_rows.check_positive_temperature(temperature),
-        with_entropy=True,
-    )
+    kind = hidden.device.type
+    context = nullcontext()
+    if torch.is_autocast_enabled(kind):
+        # verl's own kernels run their matmul under the engine's autocast (FSDP's default
+        # bf16 mixed precision keeps the weight in fp32): compute in autocast's dtype too.
+        dtype = torch.get_autocast_dtype(kind)
+        hidden, weight = hidden.to(dtype), weight.to(dtype)
+        context = torch.autocast(kind, enabled=False)
+    with context:
+        result = linear_selected_logprobs(
+            hidden,
+            weight,
+            labels.reshape(-1).to(torch.int64),
+            tp_group=dist_process_group,
+            temperature=temperature,
+            with_entropy=True,
+        )
     return result.logprobs, result.entropy
 
 

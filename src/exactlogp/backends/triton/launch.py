@@ -21,7 +21,7 @@ import torch
 
 from ... import contract
 from ...contract import GradStats
-from ..base import VALUE_TABLE_MODES, Backend, ShardPlan, check_mode, num_rows
+from ..base import EXACT_GEMM_MODES, VALUE_TABLE_MODES, Backend, ShardPlan, check_mode, num_rows
 from . import kernels, value_tables
 from .prepare import (
     LaunchConfig,
@@ -203,30 +203,57 @@ def finalize(
 # B200): the direct kernels. Every other GPU (T4, A10, L4, L40S, consumer parts, fp64-poor
 # newer parts) takes the value tables for 16-bit rows of at least TABLE_MIN_COLS columns.
 FP64_RICH_CAPABILITIES = {(6, 0), (7, 0), (8, 0), (9, 0), (10, 0)}
+# Parts of those architectures whose fp64 was cut (the name decides, not the capability:
+# an H20 is sm_90 like an H100, with ~1 TFLOP/s fp64 against 67 by its published specs).
+FP64_POOR_NAMES = ("H20",)
+# exact_gemm="auto" per device name, once the GPU check has measured a route faster there
+# than the capability's default (an empty table: no route has been measured faster yet).
+MEASURED_GEMM_ROUTES: dict[str, str] = {}
 TABLE_MIN_COLS = 8192
+
+
+def fp64_rich(device: torch.device) -> bool:
+    """Whether `device` runs fp64 at a good share of its fp32 rate: by capability, less
+    the FP64_POOR_NAMES parts (a CPU tensor in the interpreter: no)."""
+    if device.type != "cuda":
+        return False
+    if torch.cuda.get_device_capability(device) not in FP64_RICH_CAPABILITIES:
+        return False
+    name = torch.cuda.get_device_name(device)
+    return not any(_names_part(name, part) for part in FP64_POOR_NAMES)
+
+
+def _names_part(device_name: str, part: str) -> bool:
+    """'NVIDIA H20' names part H20; 'NVIDIA H200' does not (whole words only)."""
+    return part in device_name.replace("-", " ").split()
+
+
 # The exact LM head's integer GEMM (linear_contract L3): "fp64" is cuBLAS DGEMM over
 # K-chunks (linear_contract.float_exact_dot: every partial sum an integer below 2^53, exact
 # in any order); "int8" the nine int8 tensor-core GEMMs of linear_kernels.py; "int8_mm" the
 # five diagonal int8 GEMMs of linear_contract.diagonal_exact_dot through torch._int_mm
-# (cuBLASLt). "auto": fp64 on FP64_RICH_CAPABILITIES, int8 elsewhere ("int8_mm" is not yet
-# measured on a GPU, so "auto" never takes it). The same integers on every route.
-_GEMM_MODES = ("auto", "fp64", "int8", "int8_mm")
+# (cuBLASLt); "int8_fused" the fused route of linear_kernels.py (the rows quantised and
+# sliced in one pass, the five diagonals on tl.dot with L4-L5 in the epilogue: fp32 logits
+# out, no int64 or fp64 tensor in memory). "auto": the MEASURED_GEMM_ROUTES entry of the
+# device's name, else fp64 where fp64_rich, int8 elsewhere ("int8_mm" and "int8_fused" are
+# not yet measured on a GPU, so "auto" does not take them). The same integers and
+# roundings on every route (base.EXACT_GEMM_MODES).
 
 
 class TritonBackend(Backend):
     """the contract on a GPU through Triton (or on CPU tensors under TRITON_INTERPRET=1).
 
-    `value_tables`: "auto" (16-bit rows of at least TABLE_MIN_COLS columns on GPUs outside
-    FP64_RICH_CAPABILITIES), "always" (16-bit rows) or "never"; `exact_gemm`: the exact
-    LM head's integer GEMM, "auto" (fp64 on FP64_RICH_CAPABILITIES, else int8), "fp64",
-    "int8" or "int8_mm" (_GEMM_MODES). Both are speed choices only: every mode gives the same bits (value_tables.py,
-    linear_kernels.py)."""
+    `value_tables`: "auto" (16-bit rows of at least TABLE_MIN_COLS columns on GPUs that
+    are not fp64_rich), "always" (16-bit rows) or "never"; `exact_gemm`: the exact
+    LM head's integer GEMM, "auto" (by device name, then fp64 where fp64_rich, else
+    int8), "fp64", "int8", "int8_mm" or "int8_fused" (EXACT_GEMM_MODES). Both are speed
+    choices only: every mode gives the same bits (value_tables.py, linear_kernels.py)."""
 
     name = "triton"
 
     def __init__(self, value_tables: str = "auto", exact_gemm: str = "auto"):
         self.value_tables = check_mode("value_tables", value_tables, VALUE_TABLE_MODES)
-        self.exact_gemm = check_mode("exact_gemm", exact_gemm, _GEMM_MODES)
+        self.exact_gemm = check_mode("exact_gemm", exact_gemm, EXACT_GEMM_MODES)
         self._freeze(value_tables=value_tables, exact_gemm=exact_gemm)
 
     def uses_tables(self, logits, plan: ShardPlan) -> bool:
@@ -238,7 +265,7 @@ class TritonBackend(Backend):
         return (
             logits.device.type == "cuda"
             and min(n_real, logits.shape[-1]) >= TABLE_MIN_COLS
-            and torch.cuda.get_device_capability(logits.device) not in FP64_RICH_CAPABILITIES
+            and not fp64_rich(logits.device)
         )
 
     def supports(self, device: torch.device) -> bool:
@@ -290,12 +317,15 @@ class TritonBackend(Backend):
         return grad(logits, target, temperature, keep_mask, stats, plan)
 
     def gemm_path(self, device: torch.device) -> str:
-        """How exact_dot computes on `device`: "fp64", "int8" or "int8_mm" (_GEMM_MODES)."""
+        """How exact_dot computes on `device`: one of EXACT_GEMM_MODES but "auto"."""
         if self.exact_gemm != "auto":
             return self.exact_gemm
-        rich = (device.type == "cuda"
-                and torch.cuda.get_device_capability(device) in FP64_RICH_CAPABILITIES)  # fmt: skip
-        return "fp64" if rich else "int8"
+        if device.type == "cuda":
+            name = torch.cuda.get_device_name(device)
+            for part, route in MEASURED_GEMM_ROUTES.items():
+                if _names_part(name, part):
+                    return route
+        return "fp64" if fp64_rich(device) else "int8"
 
     def exact_dot(self, a, c):
         """linear_contract.exact_dot: cuBLAS DGEMM over K-chunks where fp64 is fast (on an
@@ -309,6 +339,23 @@ class TritonBackend(Backend):
         if self.gemm_path(a.device) == "int8_mm":
             return on_device(linear_kernels.diagonal_dot)(a, c)
         return on_device(linear_kernels.exact_dot)(a, c)
+
+    def fused_head(self, device: torch.device) -> bool:
+        return self.gemm_path(device) == "int8_fused"
+
+    def head_slices(self, x, e, finite, reverse: bool):
+        """linear_kernels.head_slices: x's rows quantised into their int8 diagonal layout."""
+        from . import linear_kernels
+
+        return on_device(linear_kernels.head_slices)(x, e, finite, reverse)
+
+    def head_logits(self, a3, row_scale, c3, col_scale, bias, logit_scale, out=None):
+        """linear_kernels.head_logits: L3-L5 of a block of logits in one kernel."""
+        from . import linear_kernels
+
+        return on_device(linear_kernels.head_logits)(
+            a3, row_scale, c3, col_scale, bias, logit_scale, out
+        )
 
 
 def _tableson_device(logits, name: str):

@@ -115,3 +115,168 @@ def _int_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         a = torch.nn.functional.pad(a, (0, pk - k, 0, pm - m))
         b = torch.nn.functional.pad(b, (0, pn - n, 0, pk - k))
     return torch._int_mm(a, b)[:m, :n]
+
+
+# --- the fused route: L2 in one pass, L3-L5 in one kernel (exact_gemm="int8_fused") ---
+#
+# head_slices quantises and slices a block of rows in one pass (fp32/bf16/fp16 in, int8
+# out: no int64 or fp64 tensor in memory); head_logits runs the five diagonal GEMMs of
+# linear_contract's diagonal layout on tl.dot, one int32 accumulator live at a time,
+# combines them into the exact integer Z in registers and applies L4-L5 there, writing
+# only fp32 logits. The same integers and the same roundings as linear_contract, so the
+# same bits; docs/numerics.md section 12 has the proof of the diagonals.
+
+QBITS: tl.constexpr = tl.constexpr(linear_contract.QBITS)
+MAGIC: tl.constexpr = tl.constexpr(linear_contract.contract.MAGIC)
+SLICE_BLOCK_R, SLICE_BLOCK_K = 16, 256
+HEAD_BLOCK_M, HEAD_BLOCK_N, HEAD_BLOCK_K = 64, 64, 64
+# products of two slices are at most 2^12: an int32 accumulator takes 2^18 of them
+# (2^30 < 2^31) before it is folded into the diagonal's int64 sum
+FOLD_K = 1 << 18
+DIAGONAL_WIDTHS = (1, 2, 3, 2, 1)  # K' / K of diagonal s
+
+
+@triton.jit
+def head_slices_kernel(
+    x_ptr,  # [R, K] bf16/fp16/fp32 rows, unit column stride
+    e_ptr,  # [R] int64: L1's exponent of each row
+    finite_ptr,  # [R] uint8: 1 where the row is finite
+    out_ptr,  # [R, 3K] int8 out: the diagonal layout
+    R,
+    K,
+    stride_x,
+    REVERSE: tl.constexpr,  # [x2 | x1 | x0] (hidden states) instead of [x0 | x1 | x2]
+    BLOCK_R: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    rr = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rk = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    r64 = rr.to(tl.int64)
+    row_ok = rr < R
+    mask = row_ok[:, None] & (rk[None, :] < K)
+    x = tl.load(x_ptr + r64[:, None] * stride_x + rk[None, :], mask=mask, other=0.0)
+    e = tl.load(e_ptr + rr, mask=row_ok, other=0)
+    finite = tl.load(finite_ptr + rr, mask=row_ok, other=0) != 0
+    # 2^(QBITS - e) from its bits: QBITS - e is in [-109, 168] for these dtypes, a normal
+    scale = ((-e + (QBITS + 1023)) << 52).to(tl.float64, bitcast=True)
+    magic = tl.full([], MAGIC, tl.float64)
+    t = x.to(tl.float64) * scale[:, None]  # exact: a power of two, |t| <= 2^QBITS
+    q = (t + magic) - magic  # rint_even(t), as contract.MAGIC promises for |t| < 2^51
+    v = tl.where(finite[:, None], q, 0.0).to(tl.int64)
+    out = out_ptr + r64[:, None] * (3 * K) + rk[None, :]
+    for s in tl.static_range(3):  # balanced base 128, lowest slice first
+        if s < 2:
+            low = ((v + 64) & 127) - 64  # in [-64, 63]
+            v = (v - low) >> 7  # exact: v - low is a multiple of 128
+        else:
+            low = v  # in [-64, 64]
+        col = (2 - s) * K if REVERSE else s * K
+        tl.store(out + col, low.to(tl.int8), mask=mask)
+
+
+def head_slices(x: torch.Tensor, e: torch.Tensor, finite: torch.Tensor, reverse: bool):
+    """(R, 3K) int8 = linear_contract.diagonal_layout(quantize(x, e, finite), reverse) in one
+    pass over x (R, K) bf16/fp16/fp32."""
+    r, k = x.shape
+    x = x if k == 0 or x.stride(-1) == 1 else x.contiguous()
+    out = torch.empty(r, 3 * k, dtype=torch.int8, device=x.device)
+    if r == 0 or k == 0:
+        return out
+    grid = (triton.cdiv(r, SLICE_BLOCK_R), triton.cdiv(k, SLICE_BLOCK_K))
+    head_slices_kernel[grid](
+        x, e.contiguous(), finite.to(torch.uint8), out, r, k, x.stride(0),
+        REVERSE=reverse, BLOCK_R=SLICE_BLOCK_R, BLOCK_K=SLICE_BLOCK_K, enable_fp_fusion=False,
+    )  # fmt: skip
+    return out
+
+
+@triton.jit
+def _diagonal(a_ptr, c_ptr, rm, rn, M, P, K, LO_A: tl.constexpr, LO_C: tl.constexpr,
+              WIDTH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_K: tl.constexpr, FOLD: tl.constexpr):  # fmt: skip
+    """sum over k < WIDTH K of A[m, LO_A K + k] C[n, LO_C K + k] as int64: one int8 GEMM
+    of the diagonal's windows, int32 accumulation folded into int64 every FOLD columns."""
+    m64, n64 = rm.to(tl.int64), rn.to(tl.int64)
+    rk = tl.arange(0, BLOCK_K)
+    width = WIDTH * K
+    a_row = a_ptr + m64[:, None] * (3 * K) + LO_A * K
+    c_row = c_ptr + n64[None, :] * (3 * K) + LO_C * K  # C^T tile: [BLOCK_K, BLOCK_N]
+    total = tl.zeros([BLOCK_M, BLOCK_N], tl.int64)
+    for f0 in range(0, width, FOLD):
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.int32)
+        for k0 in range(f0, tl.minimum(f0 + FOLD, width), BLOCK_K):
+            kk = k0 + rk
+            a_mask = (rm[:, None] < M) & (kk[None, :] < width)
+            c_mask = (kk[:, None] < width) & (rn[None, :] < P)
+            a = tl.load(a_row + kk[None, :], mask=a_mask, other=0)
+            c = tl.load(c_row + kk[:, None], mask=c_mask, other=0)
+            acc += tl.dot(a, c, out_dtype=tl.int32)
+        total += acc.to(tl.int64)
+    return total
+
+
+@triton.jit
+def head_logits_kernel(
+    a_ptr,  # [M, 3K] int8: the hidden rows' diagonal layout, reversed
+    c_ptr,  # [P, 3K] int8: the weight rows' diagonal layout
+    row_scale_ptr,  # [M] fp64: 2^(e_n - 2 QBITS), NaN for a non-finite row
+    col_scale_ptr,  # [P] fp64: 2^f_v, NaN for a non-finite weight row
+    bias_ptr,  # [P] any float (unused without HAS_BIAS)
+    out_ptr,  # [M, P] fp32 out, row stride stride_out
+    M,
+    P,
+    K,
+    stride_out,
+    logit_scale,  # fp32, already rounded
+    HAS_BIAS: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    FOLD: tl.constexpr,
+):
+    rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    # --- L3: Z = sum_s 2^(7 s) D_s, Horner from the top diagonal (exact in int64) ---
+    z = _diagonal(a_ptr, c_ptr, rm, rn, M, P, K, 0, 2, 1, BLOCK_M, BLOCK_N, BLOCK_K, FOLD)
+    z = z * 128 + _diagonal(a_ptr, c_ptr, rm, rn, M, P, K, 0, 1, 2, BLOCK_M, BLOCK_N, BLOCK_K, FOLD)
+    z = z * 128 + _diagonal(a_ptr, c_ptr, rm, rn, M, P, K, 0, 0, 3, BLOCK_M, BLOCK_N, BLOCK_K, FOLD)
+    z = z * 128 + _diagonal(a_ptr, c_ptr, rm, rn, M, P, K, 1, 0, 2, BLOCK_M, BLOCK_N, BLOCK_K, FOLD)
+    z = z * 128 + _diagonal(a_ptr, c_ptr, rm, rn, M, P, K, 2, 0, 1, BLOCK_M, BLOCK_N, BLOCK_K, FOLD)
+    # --- L4: round Z to 53 bits to odd (linear_contract.odd53), scale, round to fp32 ---
+    near = z.to(tl.float64)  # round to nearest; |Z| <= 2^62
+    tail = z - near.to(tl.int64)  # exact: the rounding error, |tail| <= 2^9
+    bits = near.to(tl.int64, bitcast=True)
+    toward = tl.where((tail > 0) == (near > 0), 1, -1)  # one step of the last bit to Z
+    stepped = (bits + toward).to(tl.float64, bitcast=True)
+    odd = tl.where((tail != 0) & ((bits & 1) == 0), stepped, near)
+    row_ok, col_ok = rm < M, rn < P
+    row_scale = tl.load(row_scale_ptr + rm, mask=row_ok, other=1.0)
+    col_scale = tl.load(col_scale_ptr + rn, mask=col_ok, other=1.0)
+    out = ((odd * row_scale[:, None]) * col_scale[None, :]).to(tl.float32)  # exact scalings
+    # --- L5: bias, then logit_scale, each one fp32 rounding ---
+    if HAS_BIAS:
+        out = out + tl.load(bias_ptr + rn, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    if HAS_SCALE:
+        out = out * logit_scale
+    offs = rm.to(tl.int64)[:, None] * stride_out + rn.to(tl.int64)[None, :]
+    tl.store(out_ptr + offs, out, mask=row_ok[:, None] & col_ok[None, :])
+
+
+def head_logits(a3, row_scale, c3, col_scale, bias, logit_scale: float, out=None):
+    """(M, P) fp32 = linear_contract.logits_block of the rows whose diagonal layouts are
+    a3 (M, 3K, reversed) and c3 (P, 3K), written into `out` (unit column stride) if given."""
+    m, p = a3.shape[0], c3.shape[0]
+    k = a3.shape[1] // 3
+    out = torch.empty(m, p, dtype=torch.float32, device=a3.device) if out is None else out
+    if m == 0 or p == 0:
+        return out
+    grid = (triton.cdiv(m, HEAD_BLOCK_M), triton.cdiv(p, HEAD_BLOCK_N))
+    head_logits_kernel[grid](
+        a3, c3, row_scale.contiguous(), col_scale.contiguous(),
+        c3 if bias is None else bias.contiguous(), out, m, p, k, out.stride(0),
+        logit_scale, HAS_BIAS=bias is not None, HAS_SCALE=logit_scale != 1.0,
+        BLOCK_M=HEAD_BLOCK_M, BLOCK_N=HEAD_BLOCK_N, BLOCK_K=HEAD_BLOCK_K, FOLD=FOLD_K,
+        enable_fp_fusion=False,
+    )  # fmt: skip
+    return out
