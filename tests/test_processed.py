@@ -430,3 +430,16 @@ def test_no_rows_and_a_temperature_that_requires_grad():
     tau = torch.ones(3, requires_grad=True)
     with pytest.raises(ValueError, match="temperature"):
         processed_logprobs(torch.randn(3, 50), torch.zeros(3, dtype=torch.long), temperature=tau)
+
+
+def test_a_nan_or_inf_logit_makes_only_its_row_bad():
+    x, t = llm_like_logits(4, 100, torch.float32, seed=0)
+    bad = x.clone()
+    bad[1, 5], bad[2, 7] = float("nan"), float("inf")
+    kw = dict(top_k=5, top_p=0.9)
+    got = processed_logprobs(bad, t, validate=False, **kw).logprobs
+    want = processed_logprobs(x, t, **kw).logprobs
+    assert bool(torch.isnan(got[1:3]).all())
+    assert_bitwise_equal(got[[0, 3]], want[[0, 3]], "other rows")
+    with pytest.raises(ValueError, match=r"row\[1\] has 1 NaN or \+inf"):
+        processed_logprobs(bad, t, **kw)
