@@ -262,7 +262,7 @@ def test_bad_input_is_a_clear_error(kw, error, text):
 # --- one gloo world: TP 1, 2, 3, 4, 8 with uneven shards ---
 
 WORLDS = (1, 2, 3, 4, 8)
-VOCAB = 203
+VOCAB = 509
 ROWS = 7
 
 
@@ -295,7 +295,7 @@ def world_inputs():
 
 
 OTHER_CUTS = (
-    dict(top_k=5, temperature=0.8),  # top-k alone: candidates from torch.topk
+    dict(top_k=1, temperature=0.8),  # top-k alone: candidates from chunk maxima
     dict(top_p=torch.tensor([0.9, 0.5, 0.99, 0.7, 1.0, 0.8, 0.99999])),  # top-p alone
 )
 
@@ -443,3 +443,19 @@ def test_a_nan_or_inf_logit_makes_only_its_row_bad():
     assert_bitwise_equal(got[[0, 3]], want[[0, 3]], "other rows")
     with pytest.raises(ValueError, match=r"row\[1\] has 1 NaN or \+inf"):
         processed_logprobs(bad, t, **kw)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_top_k_from_chunk_maxima_matches_the_definition(dtype):
+    """Rows wide enough for the shortcut (chunks of 128 columns), with ties at the k-th
+    value inside and across chunks, -inf columns and a per-row temperature."""
+    gen = torch.Generator().manual_seed(13)
+    x = torch.randn(5, 2100, generator=gen) * 3
+    x[1] = torch.randint(-2, 3, (2100,), generator=gen).float()  # ties everywhere
+    x[2, ::150] = 9.0  # 14 tied maxima, one per chunk
+    x[3, :1500] = float("-inf")
+    x = x.to(dtype)
+    tau = torch.tensor([1.0, 0.7, 1.3, 1.0, 0.3])
+    for kw in (dict(top_k=3), dict(top_k=torch.tensor([1, 4, 2, 7, 3])), dict(top_k=5, top_p=0.6)):
+        got = sampling_mask(x, temperature=tau, **kw).keep_mask
+        assert torch.equal(got, brute_keep(x, temperature=tau, **kw)), kw

@@ -489,27 +489,54 @@ def _rows_of(value, rows, nb, device, dtype):
     return torch.full((nb,), value, dtype=dtype, device=device)
 
 
+CHUNK = 128  # columns per chunk of the top-k shortcut
+
+
 def _topk_candidates(xb, tau, kv, rows_k, any_on):
-    """The columns top-k can keep, from torch.topk of the raw logits (division by a
-    positive temperature keeps their order): (rows, columns, y) of every column whose y
-    is >= the k-th largest, or None when this shortcut does not apply -- a row with
-    another cut, a NaN or +-inf among the values it reads, or ties that may reach past
-    the columns topk returned (then the caller scans the whole block)."""
+    """The columns top-k can keep, found from the maxima of chunks of CHUNK columns:
+    the k-th largest chunk maximum is a value that k distinct columns reach, so the k-th
+    largest y is not below it, and every column at or above it lies in a chunk whose
+    maximum is (a positive temperature keeps the order of the raw logits). Returns
+    (rows, columns, y) of every column whose y is >= that value, or None when the
+    shortcut does not apply (a row with another cut, fewer chunks than k, or a NaN or
+    +inf among the values it reads: then the caller scans the whole block)."""
     if not bool((rows_k == any_on).all()):
         return None
+    nb, v = xb.shape
     kmax = int(kv[rows_k].max())
-    kk = kmax + 16  # room for ties at the k-th value
-    if kk > xb.shape[1] // 4:
+    full = v // CHUNK
+    if full + (v % CHUNK > 0) < 2 * kmax:
         return None
-    vals, idx = torch.topk(xb, kk, dim=-1)  # sorted, largest first; NaN counts as largest
-    yv = contract.scaled_logits(vals, tau)
-    if not bool((yv < float("inf")).all()):  # a NaN or +inf y: the row is bad, scan it
+    main = xb[:, : full * CHUNK].reshape(nb, full, CHUNK)
+    cmax = main.float().amax(-1)  # NaN propagates
+    if v % CHUNK:
+        cmax = torch.cat([cmax, xb[:, full * CHUNK :].float().amax(-1, keepdim=True)], 1)
+    cy = contract.scaled_logits(cmax, tau)  # the y of each chunk's largest column
+    if not bool((cy < float("inf")).all()):  # a NaN or +inf y: the row is bad, scan it
         return None
-    kth = yv.gather(1, (kv.clamp(1, kmax) - 1).unsqueeze(-1))
-    if not bool(((yv[:, -1:] < kth) | ~rows_k.unsqueeze(-1)).all()):
-        return None  # the k-th value's ties may continue past column kk
-    r, pos = torch.nonzero((yv >= kth) & rows_k.unsqueeze(-1), as_tuple=True)
-    return r, idx[r, pos], yv[r, pos]
+    vals = torch.topk(cy, kmax, dim=-1).values  # sorted, largest first
+    kth = vals.gather(1, (kv.clamp(1, kmax) - 1).unsqueeze(-1))
+    kth = torch.where(rows_k.unsqueeze(-1), kth, float("inf"))
+    rr, cc = torch.nonzero(cy >= kth, as_tuple=True)
+    tail = cc == full  # the last, partial chunk
+    rows, cols, ys = [], [], []
+    for part, width in ((~tail, CHUNK), (tail, v - full * CHUNK)):
+        r, ch = rr[part], cc[part]
+        if r.numel() == 0:
+            continue
+        span = torch.arange(width, device=xb.device)
+        col = ch.unsqueeze(-1) * CHUNK + span  # (m, width)
+        vals = xb[r.unsqueeze(-1), col]
+        t = tau[r] if isinstance(tau, torch.Tensor) else tau
+        y = contract.scaled_logits(vals, t)
+        hit = y >= kth[r]
+        rows.append(r.unsqueeze(-1).expand_as(col)[hit])
+        cols.append(col[hit])
+        ys.append(y[hit])
+    if not rows:
+        empty = torch.zeros(0, dtype=torch.int64, device=xb.device)
+        return empty, empty, torch.zeros(0, dtype=torch.float32, device=xb.device)
+    return torch.cat(rows), torch.cat(cols), torch.cat(ys)
 
 
 def _floors(y, ok, mx64, mv, m_on, kv, k_on):
