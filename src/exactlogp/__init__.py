@@ -9,6 +9,7 @@ from .linear import (
     linear_selected_logprobs,
 )
 from .prepared import PreparedLMHead, prepare_lm_head
+from .sampling import ProcessedLogprobs, SamplingMask, processed_logprobs, sample, sampling_mask
 from .warmup import warmup
 
 __version__ = "0.1.0"
@@ -18,12 +19,17 @@ __all__ = [
     "LOGITS_CONTRACT",
     "LogprobResult",
     "PreparedLMHead",
+    "ProcessedLogprobs",
+    "SamplingMask",
     "SelectedLogprobs",
     "__version__",
     "gather_sequence_parallel",
     "linear_logits",
     "linear_selected_logprobs",
     "prepare_lm_head",
+    "processed_logprobs",
+    "sample",
+    "sampling_mask",
     "selected_logprobs",
     "warmup",
 ]

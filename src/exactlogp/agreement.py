@@ -37,10 +37,19 @@ from . import contract, distributed
 
 KIND_LOGITS = 1  # selected_logprobs
 KIND_LINEAR = 2  # linear_selected_logprobs
-KIND_NAMES = {KIND_LOGITS: "selected_logprobs", KIND_LINEAR: "linear_selected_logprobs"}
+KIND_SAMPLING = 3  # the cut of sampling_mask / processed_logprobs / sample
+KIND_NAMES = {
+    KIND_LOGITS: "selected_logprobs",
+    KIND_LINEAR: "linear_selected_logprobs",
+    KIND_SAMPLING: "sampling_mask",
+}
 PHASE_FORWARD, PHASE_BACKWARD = 0, 1
 # the inputs whose requires_grad is bit i of CallFields.grads, per function
-GRAD_INPUTS = {KIND_LOGITS: ("vocab_parallel_logits",), KIND_LINEAR: ("hidden", "weight", "bias")}
+GRAD_INPUTS = {
+    KIND_LOGITS: ("vocab_parallel_logits",),
+    KIND_LINEAR: ("hidden", "weight", "bias"),
+    KIND_SAMPLING: ("vocab_parallel_logits",),
+}
 
 
 def grads_field(*tensors) -> int:
@@ -69,6 +78,9 @@ class CallFields:
     logit_scale: int = 0  # linear_selected_logprobs: fp32 bits of logit_scale
     bias: int = 0  # linear_selected_logprobs: 1 when a bias was passed
     grads: int = 0  # which inputs require a gradient (GRAD_INPUTS bits of the function)
+    top_k: int = 0  # sampling: k (0: no cut); -2: one per row
+    top_p: int = 0  # sampling: fp32 bits of p (0: no cut); -1: one per row
+    min_p: int = 0  # sampling: fp32 bits of min_p (0: no cut); -1: one per row
 
     def values(self) -> tuple[int, ...]:
         """The fields in order (dataclasses.astuple without its deep copies)."""
@@ -103,10 +115,14 @@ def _show(name: str, value: int, kind: int = KIND_LOGITS) -> str:
         return ", ".join(names) if names else "none"
     if name == "kind":
         return KIND_NAMES.get(value, str(value))
-    if name in ("temperature", "logit_scale"):
-        if name == "temperature" and value == -1:
+    if name in ("temperature", "logit_scale", "top_p", "min_p"):
+        if name != "logit_scale" and value == -1:
             return "a per-row tensor"
+        if name in ("top_p", "min_p") and value == 0:
+            return "None"
         return _fp32_text(value)
+    if name == "top_k":
+        return {0: "None", -2: "a per-row tensor"}.get(value, str(value))
     if name == "vocab_size" and value == -1:
         return "None"
     if name in ("with_entropy", "keep_mask", "validate", "bias"):

@@ -22,12 +22,17 @@ from __future__ import annotations
 
 import functools
 import importlib
+import logging
 import numbers
+from typing import NamedTuple
 
 import torch
 
+from .. import sampling
 from ..api import selected_logprobs
 from . import _patching, _rows
+
+logger = logging.getLogger(__name__)
 
 PATCH_KEY = "patch_megatron"
 MAKE_VOCAB_SIZE_DIVISIBLE_BY = 128  # Megatron-LM's default --make-vocab-size-divisible-by
@@ -77,6 +82,54 @@ def fused_vocab_parallel_cross_entropy(
 ) -> torch.Tensor:
     """The signature of megatron-core's `fused_vocab_parallel_cross_entropy`."""
     return vocab_parallel_cross_entropy(vocab_parallel_logits, target, 0.0, tp_group)
+
+
+class ProcessedReplay(NamedTuple):
+    """What `processed_logprobs` gives a policy loss."""
+
+    logprobs: torch.Tensor  # fp32, the target's shape; 0 where the target was cut
+    loss_mask: torch.Tensor  # bool: False where the target was cut (and where loss_mask was)
+    num_dropped: torch.Tensor  # 0-d int64: targets outside the kept set
+
+
+def processed_logprobs(
+    vocab_parallel_logits: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    temperature: float | torch.Tensor = 1.0,
+    top_k: int | torch.Tensor | None = None,
+    top_p: float | torch.Tensor | None = None,
+    min_p: float | torch.Tensor | None = None,
+    tp_group=None,
+    vocab_size: int | None = None,
+    loss_mask: torch.Tensor | None = None,
+    ignore_index: int = -100,
+) -> ProcessedReplay:
+    """The rollout's processed logprobs (the exact top-k / top-p / min-p cut of
+    `exactlogp.processed_logprobs`, docs/numerics.md section 13) on Megatron's vocab
+    shards: the group and vocabulary range as for `vocab_parallel_cross_entropy`.
+
+    A target outside the kept set (the trainer's logits differ from the rollout's) is
+    never a NaN or -inf in the loss: its logprob is 0 with a zero gradient, it is
+    masked out of `loss_mask`, and the count is returned and logged (a host sync)."""
+    group, vocab_start = resolve_tp_group(tp_group, vocab_parallel_logits)
+    res = sampling.processed_logprobs(
+        vocab_parallel_logits, target, temperature=temperature, top_k=top_k, top_p=top_p,
+        min_p=min_p, tp_group=group, vocab_start=vocab_start, vocab_size=vocab_size,
+        ignore_index=ignore_index,
+    )  # fmt: skip
+    kept = ~res.dropped
+    logprobs = torch.where(kept, res.logprobs, torch.zeros_like(res.logprobs))
+    mask = kept if loss_mask is None else kept & loss_mask.to(torch.bool)
+    dropped = int(res.num_dropped)
+    if dropped:
+        logger.warning(
+            "%d of %d target tokens lie outside the top-k / top-p / min-p kept set; they "
+            "are masked out of the loss",
+            dropped,
+            target.numel(),
+        )
+    return ProcessedReplay(logprobs, mask, res.num_dropped)
 
 
 def resolve_tp_group(tp_group, vocab_parallel_logits: torch.Tensor):
