@@ -29,7 +29,8 @@ V2_VERSION, V1_VERSION = "0.34.0", "0.33.0"  # its VLLM_V2 and VLLM_V1
 SCRIPTS = Path(__file__).parent / "real_hosts"
 SRC = Path(exactlogp.__file__).resolve().parents[1]
 PLAIN = ("plain/raw_logprobs", "plain/processed_logprobs")
-CASES = (*PLAIN, "edited/processed_logprobs")
+CASES = (*PLAIN, "edited/processed_logprobs")  # edited: logit bias, penalties, bad words
+MANY = "many/raw_logprobs"  # more top logprobs than ours.EXACT_COLUMNS
 
 
 def _start(script: str, version: str, tmp: Path):
@@ -122,27 +123,36 @@ def test_v2_is_the_real_vllm_and_the_patch_reaches_every_scorer(v2):
         "vllm.v1.worker.gpu.sample.prompt_logprob.compute_token_logprobs",
         "vllm.v1.worker.cpu.logprob.compute_token_logprobs",
     ]
-    assert v2["skipped"] == [] and v2["unpatch"] is True
+    assert v2["skipped"] == [] and v2["unpatch"] is True and v2["idempotent"]
     assert v2["same_scorer_in_spec"]  # the rejection sampler's name is logprob's function
     assert v2["plugin_patched"]  # vLLM's load_general_plugins with EXACTLOGP_PATCH=vllm
 
 
-@pytest.mark.parametrize("case", CASES)
+def test_v2_a_scorer_that_bypasses_the_patch_is_refused(v2):
+    """With vLLM's compute_topk_scores swapped for one that never calls
+    compute_token_logprobs, patching raises and changes nothing."""
+    assert "does not route its logprobs through compute_token_logprobs" in v2["refused"]
+    assert "vLLM 0.34.0" in v2["refused"] and v2["nothing_patched"]
+
+
+@pytest.mark.parametrize("case", [*CASES, MANY])
 def test_v2_unpatched_returns_vllms_own_logprobs(v2, case):
     """What vLLM itself returns: column 0 the sampled token, then the top-k of the logits
     it scored (the input for raw_logprobs; after processing, cut tokens -inf, for
     processed_logprobs), their fp32 log-softmax, and the sampled token's rank."""
     got = v2["unpatched"][case]
-    logits = v2["logits_plain" if case in PLAIN else "logits_edited"]
     scored, ids = got["scored"], got["ids"]
+    logits = v2["logits_edited" if case.startswith("edited") else "logits_plain"][: len(ids)]
     n, k = ids.shape
     assert got["logprobs"].dtype == torch.float32 and got["logprobs"].shape == (n, k)
     assert ids.dtype == torch.int64 and got["ranks"].shape == (n,)
     assert torch.equal(ids[:, 0], got["sampled"][:, 0])
-    if case == "plain/raw_logprobs":
+    if case.endswith("/raw_logprobs"):
         assert torch.equal(scored, logits)
     else:
         assert scored.dtype == torch.float32 and bool(torch.isneginf(scored).any())
+    if case.startswith("edited"):
+        assert bool(torch.isneginf(scored[1, [7, 9]]).all())  # the bad words
     top = torch.topk(scored.float(), k - 1, dim=-1).values
     assert torch.equal(scored.float().gather(-1, ids[:, 1:]), top)
     if scored.dtype == torch.float32:
@@ -164,6 +174,15 @@ def test_v2_patched_returns_exactlogp_bits_and_nothing_else_changes(v2, case):
     assert got["logprobs"].shape == theirs["logprobs"].shape
     assert torch.equal(got["logprobs"], _exact_columns(got["scored"], got["ids"]))
     torch.testing.assert_close(got["logprobs"], theirs["logprobs"], atol=2e-6, rtol=1e-6)
+
+
+def test_v2_past_exact_columns_the_sampled_token_stays_exact(v2):
+    theirs, got = v2["unpatched"][MANY], v2["patched"][MANY]
+    assert got["ids"].shape[1] == ours.EXACT_COLUMNS + 4
+    assert torch.equal(got["ids"], theirs["ids"])
+    exact = selected_logprobs(got["scored"], got["ids"][:, 0]).logprobs
+    assert torch.equal(got["logprobs"][:, 0], exact)
+    assert torch.equal(got["logprobs"][:, 1:], theirs["logprobs"][:, 1:])
 
 
 def test_v2_processed_logprobs_are_the_trainers(v2):
@@ -226,7 +245,8 @@ def test_v2_unpatch_restores_vllms_bits(v2):
 def test_v1_is_the_real_vllm(v1):
     assert v1["version"] == V1_VERSION
     assert "vllm.v1.sample.sampler.Sampler.forward" in v1["sites"]
-    assert v1["unpatch"] is True
+    assert v1["idempotent"] and v1["wraps_original"]
+    assert v1["unpatch"] is True and v1["restored"] and v1["unpatch_again"] is False
 
 
 @pytest.mark.parametrize("case", ["raw_logprobs", "processed_logprobs", "greedy_processed",
@@ -256,6 +276,10 @@ def test_v1_sampled_token_logprob_is_exactlogps(v1, case):
     assert torch.equal(got["logprobs"][same], expected[:, None].expand_as(same)[same])
     assert torch.equal(got["logprobs"][~same], theirs["logprobs"][~same])
     torch.testing.assert_close(got["logprobs"], theirs["logprobs"], atol=2e-6, rtol=1e-6)
+
+
+def test_v1_processed_logprobs_with_penalties_are_refused(v1):
+    assert v1["refused"].startswith("patch_vllm_sampler: processed_logprobs with penalties")
 
 
 def test_v1_logits_requested_by_override_are_left_alone(v1):

@@ -93,10 +93,25 @@ def main(out_path: str) -> None:
     saved = {"version": vllm.__version__, "logits": logits, "temperature": temperature,
              "top_k": top_k, "top_p": top_p}  # fmt: skip
     saved["unpatched"] = run_all()
+    original = Sampler.__dict__["forward"]
     handle = ours.patch_vllm_sampler()
     saved["sites"] = list(handle.sites)
+    saved["idempotent"] = ours.patch_vllm_sampler() is handle
+    saved["wraps_original"] = Sampler.__dict__["forward"].__wrapped__ is original
     saved["patched"] = run_all()
+    # processed logprobs with penalties are refused before vLLM samples
+    md = metadata()
+    md.no_penalties = False
+    md.presence_penalties = torch.full((6,), 0.5)
+    md.prompt_token_ids = torch.zeros(6, 1, dtype=torch.int64)
+    try:
+        Sampler("processed_logprobs")(logits.clone(), md)
+        saved["refused"] = "sampled"
+    except ValueError as exc:
+        saved["refused"] = str(exc)
     saved["unpatch"] = ours.unpatch_vllm_sampler()
+    saved["restored"] = Sampler.__dict__["forward"] is original
+    saved["unpatch_again"] = ours.unpatch_vllm_sampler()
     saved["unpatched_again"] = run_all()
     torch.save(saved, out_path)
 

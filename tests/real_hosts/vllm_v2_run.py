@@ -74,6 +74,7 @@ def main(out_path: str) -> None:
     device = torch.device("cpu")
     scored = []  # what the sampler handed compute_topk_scores, per call
     their_topk_scores = sampler_module.compute_topk_scores
+    their_scorer = logprob.compute_topk_scores
 
     def spy(logits, *args, **kwargs):
         scored.append(logits.detach().clone())
@@ -117,6 +118,11 @@ def main(out_path: str) -> None:
         SamplingParams(temperature=1.1, repetition_penalty=1.3, frequency_penalty=0.2,
                        top_k=40, logprobs=2, seed=22),
     ]  # fmt: skip
+    # bad words: the engine turns words into token ids with the tokenizer; set the ids
+    edited[1]._bad_words_token_ids = [[7], [9]]
+    # more top logprobs than ours.EXACT_COLUMNS: column 0 exactlogp's, the rest vLLM's
+    many = [SamplingParams(temperature=1.0, logprobs=ours.EXACT_COLUMNS + 3, seed=31 + i)
+            for i in range(2)]  # fmt: skip
     logits_plain, _ = llm_like_logits(len(plain), VOCAB, torch.bfloat16, seed=5)
     logits_edited, _ = llm_like_logits(len(edited), VOCAB, torch.bfloat16, seed=6)
 
@@ -176,20 +182,19 @@ def main(out_path: str) -> None:
 
     def run_all():
         results = {}
-        for case, params, logits in (("plain", plain, logits_plain),
-                                     ("edited", edited, logits_edited)):  # fmt: skip
-            modes = ("raw_logprobs", "processed_logprobs") if case == "plain" else (
-                "processed_logprobs",)  # fmt: skip
-            for mode in modes:
-                sampler, batch = new_sampler(mode, params)
-                scored.clear()
-                out = sampler(logits.clone(), batch)
-                t = out.logprobs_tensors
-                results[f"{case}/{mode}"] = {
-                    "sampled": out.sampled_token_ids, "ids": t.logprob_token_ids,
-                    "logprobs": t.logprobs, "ranks": t.selected_token_ranks,
-                    "scored": scored[0],
-                }  # fmt: skip
+        runs = [("plain", plain, logits_plain, "raw_logprobs"),
+                ("plain", plain, logits_plain, "processed_logprobs"),
+                ("edited", edited, logits_edited, "processed_logprobs"),
+                ("many", many, logits_plain[:2], "raw_logprobs")]  # fmt: skip
+        for case, params, logits, mode in runs:
+            sampler, batch = new_sampler(mode, params)
+            scored.clear()
+            out = sampler(logits.clone(), batch)
+            t = out.logprobs_tensors
+            results[f"{case}/{mode}"] = {
+                "sampled": out.sampled_token_ids, "ids": t.logprob_token_ids,
+                "logprobs": t.logprobs, "ranks": t.selected_token_ranks, "scored": scored[0],
+            }  # fmt: skip
         results["prompt"] = run_prompts()
         # the spec-decode rejection sampler binds compute_topk_scores by name
         ids = torch.stack([logits_plain.float().argmax(-1), torch.full((6,), 42)], -1)
@@ -209,8 +214,23 @@ def main(out_path: str) -> None:
              "min_p_plain": torch.tensor([p.min_p for p in plain]),
              "same_scorer_in_spec": rejection.compute_topk_scores is logprob.compute_topk_scores}  # fmt: skip
     saved["unpatched"] = run_all()
+
+    # a vLLM whose compute_topk_scores no longer calls compute_token_logprobs is refused
+    # and nothing is patched
+    def elsewhere(logits, num_logprobs, sampled_token_ids, *args, **kwargs):
+        return torch.log_softmax(logits.float(), -1)
+
+    logprob.compute_topk_scores = elsewhere
+    try:
+        ours.patch_vllm_sampler()
+        saved["refused"] = "patched"
+    except RuntimeError as exc:
+        saved["refused"] = str(exc)
+    logprob.compute_topk_scores = their_scorer
+    saved["nothing_patched"] = not hasattr(logprob.compute_token_logprobs, "__wrapped__")
     handle = ours.patch_vllm_sampler()
     saved["sites"] = list(handle.sites)
+    saved["idempotent"] = ours.patch_vllm_sampler() is handle
     saved["skipped"] = [str(s) for s in handle.skipped]
     saved["patched"] = run_all()
     saved["unpatch"] = ours.unpatch_vllm_sampler()
