@@ -185,6 +185,14 @@ def test_v2_past_exact_columns_the_sampled_token_stays_exact(v2):
     assert torch.equal(got["logprobs"][:, 1:], theirs["logprobs"][:, 1:])
 
 
+def test_v2_vllms_own_values_differ_from_exactlogps_in_some_bits(v2):
+    """So the bitwise comparisons above tell the patched values from vLLM's own."""
+    differ = [
+        int((v2["unpatched"][c]["logprobs"] != v2["patched"][c]["logprobs"]).sum()) for c in CASES
+    ]
+    assert sum(differ) > 0, differ
+
+
 def test_v2_processed_logprobs_are_the_trainers(v2):
     """A trainer with the model's logits, the temperature (greedy rows at 1) and the
     tokens vLLM's min-p / top-k / top-p kept gets the rollout's bits; rollout_logprobs
