@@ -24,7 +24,7 @@ VLLM_V1_IMPORTS := cbor2==6.3.0 openai-harmony==0.0.8 openai==3.63.0 httpx2==2.1
 	xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2 fastapi==0.165.0 starlette==1.10.0 \
 	partial-json-parser==0.2.1.1.post7 llguidance==1.9.1
 HOSTS_STAMP := $(HOSTS)/.exactlogp-hosts
-TARGET_INSTALL := $(PY) -m pip install -q --no-deps --no-warn-conflicts --target
+TARGET_INSTALL := $(PY) -m pip install -q --no-deps --no-warn-conflicts --no-compile --target
 
 .PHONY: setup test lint format report demo clean
 
