@@ -170,8 +170,10 @@ def patch_vllm_sampler() -> _patching.PatchHandle:
     sampled token's (column 0).
 
     V1 model runner (vLLM <= 0.33): wraps `vllm.v1.sample.sampler.Sampler.forward` (the
-    sampled token's logprob; processed mode reproduces temperature, top-k and top-p and
-    raises for penalties, bad words and allowed-token masks).
+    sampled token's logprob, with top-k logprobs or `logprob_token_ids`; processed mode
+    reproduces temperature, top-k and top-p and raises for penalties, bad words and
+    allowed-token masks; the mode is forward's `logprobs_mode_override` when given, and
+    the logits modes are left alone).
 
     Raises RuntimeError naming the vLLM version and the reason when the patch could not
     take effect (no known sampler, or a `compute_topk_scores` that no longer calls
