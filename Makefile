@@ -10,10 +10,25 @@ TORCH_SPEC ?= torch==2.13.0
 EXTRAS ?= test,dev,report,bench,megatron,examples,trl,verl
 REPORT_ARGS ?=
 STAMP := $(VENV)/.exactlogp-setup
+# Real rollout hosts for the tests, each in its own directory under $(HOSTS) that only the
+# tests' subprocesses put on their path: vLLM's wheels pin a CUDA torch (so --no-deps, plus
+# exactly the modules its sampler and logprob code import, found by importing them), and
+# TRL imports vLLM whenever vLLM is importable, which would break TRL here. One directory
+# per version: the V2 model runner of $(VLLM_V2), the V1 sampler of $(VLLM_V1).
+HOSTS := $(VENV)/hosts
+VLLM_V2 := 0.34.0
+VLLM_V1 := 0.33.0
+VLLM_IMPORTS := msgspec==0.23.0 pyzmq==27.3.0 pybase64==1.5.1 cachetools==8.0.2 uvloop==0.23.0 \
+	py-cpuinfo==9.0.0
+VLLM_V1_IMPORTS := cbor2==6.3.0 openai-harmony==0.0.8 openai==3.63.0 httpx2==2.17.0 \
+	xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2 fastapi==0.165.0 starlette==1.10.0 \
+	partial-json-parser==0.2.1.1.post7 llguidance==1.9.1
+HOSTS_STAMP := $(HOSTS)/.exactlogp-hosts
+TARGET_INSTALL := $(PY) -m pip install -q --no-deps --no-warn-conflicts --no-compile --target
 
 .PHONY: setup test lint format report demo clean
 
-setup: $(STAMP)
+setup: $(STAMP) $(HOSTS_STAMP)
 
 $(STAMP): pyproject.toml setup.py Makefile
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -24,8 +39,16 @@ $(STAMP): pyproject.toml setup.py Makefile
 	@$(PY) -m exactlogp.backends.cpu_build >/dev/null || echo "exactlogp: backend='cpu' not built (reason above)"
 	@touch $(STAMP)
 
+$(HOSTS_STAMP): $(STAMP)
+	rm -rf $(HOSTS)/vllm-$(VLLM_V2) $(HOSTS)/vllm-$(VLLM_V1)
+	$(TARGET_INSTALL) $(HOSTS)/vllm-$(VLLM_V2) vllm==$(VLLM_V2) $(VLLM_IMPORTS)
+	$(TARGET_INSTALL) $(HOSTS)/vllm-$(VLLM_V1) vllm==$(VLLM_V1) $(VLLM_IMPORTS) $(VLLM_V1_IMPORTS)
+	@touch $(HOSTS_STAMP)
+
+# EXACTLOGP_REAL_HOSTS=required: a test of a real host that `make setup` installed fails,
+# rather than skips, when the host is missing
 test: setup
-	$(PY) -m pytest -q
+	EXACTLOGP_REAL_HOSTS=required $(PY) -m pytest -q
 
 lint: setup
 	$(VENV)/bin/ruff check src tests examples benchmarks

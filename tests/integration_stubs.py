@@ -1,7 +1,9 @@
-"""Stand-ins for megatron-core and vLLM modules, so the adapters' logic runs without them.
+"""Stand-ins for megatron-core modules, so the adapters' logic runs without them, and a
+vllm.v1.sample.sampler module built in a test for the patch's error paths (vLLM's own code
+runs in test_integrations_vllm_real.py).
 
 Only the names the adapters touch exist; each stub's behaviour is the documented one of
-the real module (Megatron's vocabulary-range rule, vLLM's sampler output layout).
+the real module (Megatron's vocabulary-range rule).
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """exactlogp.integrations.sglang against a stand-in for SGLang 0.5.23's sampler.
 
-SGLang's wheels are CUDA-only (torch, flashinfer and sgl-kernel pins), so it does not
-install here; tests/host_stubs/sglang reproduces the module layout and
+SGLang's sampler module does not import on a CPU machine (its import chain needs
+torchvision, which exists for torch 2.13 only as a CUDA build: tests/host_stubs/README.md
+has the errors), so tests/host_stubs/sglang reproduces the module layout and
 `Sampler.forward`'s logprob paths (greedy, standard, deterministic, RL bf16), written
 from SGLang's source, with torch arithmetic in place of its CUDA kernels.
 """

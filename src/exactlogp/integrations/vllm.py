@@ -170,8 +170,10 @@ def patch_vllm_sampler() -> _patching.PatchHandle:
     sampled token's (column 0).
 
     V1 model runner (vLLM <= 0.33): wraps `vllm.v1.sample.sampler.Sampler.forward` (the
-    sampled token's logprob; processed mode reproduces temperature, top-k and top-p and
-    raises for penalties, bad words and allowed-token masks).
+    sampled token's logprob, with top-k logprobs or `logprob_token_ids`; processed mode
+    reproduces temperature, top-k and top-p and raises for penalties, bad words and
+    allowed-token masks; the mode is forward's `logprobs_mode_override` when given, and
+    the logits modes are left alone).
 
     Raises RuntimeError naming the vLLM version and the reason when the patch could not
     take effect (no known sampler, or a `compute_topk_scores` that no longer calls
@@ -311,12 +313,16 @@ def sampled_logprobs(
 def _exact_forward(original):
     @functools.wraps(original)
     def forward(self, logits, sampling_metadata, *args, **kwargs):
-        mode = getattr(self, "logprobs_mode", None)
+        # forward(logits, sampling_metadata, predict_bonus_token=False,
+        #         logprobs_mode_override=None): the override (the rejection sampler asks
+        # for logits with it) wins over the sampler's mode
+        override = kwargs.get("logprobs_mode_override", args[1] if len(args) > 1 else None)
+        mode = override or getattr(self, "logprobs_mode", None)
         num = sampling_metadata.max_num_logprobs
-        if num is None or num < 0 or mode not in _EXACT_MODES:
+        # logprob_token_ids (0.25+): logprobs of given ids, column 0 the sampled token
+        by_ids = bool(getattr(sampling_metadata, "logprob_token_ids", None))
+        if mode not in _EXACT_MODES or not (by_ids or (num is not None and num >= 0)):
             return original(self, logits, sampling_metadata, *args, **kwargs)
-        if getattr(sampling_metadata, "logprobs_mode_override", None) is not None:
-            raise ValueError(f"{PATCH_KEY}: per-request logprobs_mode overrides are not supported")
         if mode == "processed_logprobs":
             _check_processed_supported(sampling_metadata)  # before sampling, not after
         # The sampler edits fp32 logits in place (temperature, masks); keep the input.
@@ -326,8 +332,10 @@ def _exact_forward(original):
         exact = sampled_logprobs(kept, sampled, sampling_metadata, mode)
         tensors = output.logprobs_tensors
         # Column 0 holds the sampled token; it may appear again among the top-k columns.
-        same = tensors.logprob_token_ids.to(torch.int64) == sampled.unsqueeze(-1)
+        # Padding columns of logprob_token_ids rows (id 0, -inf) stay as they are.
         values = tensors.logprobs
+        same = tensors.logprob_token_ids.to(torch.int64) == sampled.unsqueeze(-1)
+        same &= ~torch.isneginf(values)
         values.copy_(torch.where(same, exact.to(values.dtype).unsqueeze(-1), values))
         return output
 

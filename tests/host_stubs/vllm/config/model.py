@@ -1,1 +1,0 @@
-PROCESSED_LOGPROBS_MODES = ("processed_logits", "processed_logprobs")

@@ -1,0 +1,253 @@
+"""vLLM's own V2 model runner sampling and logprob code on CPU tensors, unpatched, patched
+with exactlogp, and unpatched again; saves everything it returned for the test to check.
+
+Run by tests/test_integrations_vllm_real.py as `python vllm_v2_run.py OUT.pt` in a
+subprocess whose PYTHONPATH starts with a vLLM 0.34 directory (`make setup` installs it),
+with CUDA_VISIBLE_DEVICES="" and TRITON_INTERPRET=1 set before vLLM is imported (else
+vLLM's triton_utils finds no active GPU driver and replaces Triton with placeholders).
+
+What runs is vLLM's: `Sampler.__call__` (its logits processors -- logit bias, penalties,
+bad words --, its temperature, min-p and Gumbel-sampling Triton kernels, top-k / top-p,
+`compute_topk_scores` with its log-softmax and rank kernels), `PromptLogprobsWorker`
+(prompt logprobs and prompt token-id logprobs), the request and sampling state classes
+and `InputBatch.make_dummy`. Two host pieces cannot run on a CPU and are replaced here:
+
+- Pinned host memory needs an accelerator's allocator: vLLM's platform stand-in for a
+  machine without one still says it is available, so `vllm.utils.torch_utils.PIN_MEMORY`
+  is set to False, and `vllm.v1.worker.gpu.buffer_utils.UvaBuffer`, which pins host memory
+  and maps it into the GPU (CUDA's unified virtual addressing, a driver call), becomes
+  `HostBuffer`: on a CPU the host tensor is the device tensor, so it keeps UvaBuffer's
+  fields with `uva()` returning the host tensor.
+- vLLM's Triton top-k / top-p kernel does not run in Triton's interpreter (its `tl.range`
+  loop variable is a Python int there: "'int' object has no attribute 'to'"), so
+  `apply_top_k_top_p` takes vLLM's own PyTorch implementation (`HAS_TRITON = False` in
+  `vllm.v1.sample.ops.topk_topp_sampler`), the path vLLM takes without Triton.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import traceback
+
+import numpy as np
+import torch
+
+VOCAB = 1500  # two blocks of the logprob kernel's 1024, the second one partial
+MAX_REQS = 8
+
+
+class HostBuffer:
+    """vLLM's UvaBuffer on a CPU: the pinned host tensor and its device view are one."""
+
+    def __init__(self, size, dtype):
+        self.cpu = torch.zeros(size, dtype=dtype, device="cpu")
+        self.np = self.cpu.numpy()
+
+    def uva(self, n=None):
+        return self.cpu if n is None else self.cpu[:n]
+
+
+def main(out_path: str) -> None:
+    import vllm
+    import vllm.utils.torch_utils as torch_utils
+    import vllm.v1.sample.ops.topk_topp_sampler as topk_topp
+    import vllm.v1.worker.gpu.buffer_utils as buffer_utils
+
+    torch_utils.PIN_MEMORY = False
+    buffer_utils.UvaBuffer = HostBuffer
+    topk_topp.HAS_TRITON = False
+
+    import vllm.v1.worker.cpu.logprob as cpu_logprob
+    import vllm.v1.worker.gpu.sample.logprob as logprob
+    import vllm.v1.worker.gpu.sample.prompt_logprob as prompt_logprob
+    import vllm.v1.worker.gpu.sample.sampler as sampler_module
+    import vllm.v1.worker.gpu.spec_decode.rejection_sampler as rejection
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.worker.gpu.input_batch import InputBatch, InputBuffers
+    from vllm.v1.worker.gpu.states import RequestState
+
+    from exactlogp.integrations import vllm as ours
+    from exactlogp.testing import llm_like_logits
+
+    device = torch.device("cpu")
+    scored = []  # what the sampler handed compute_topk_scores, per call
+    their_topk_scores = sampler_module.compute_topk_scores
+    their_scorer = logprob.compute_topk_scores
+
+    def spy(logits, *args, **kwargs):
+        scored.append(logits.detach().clone())
+        return their_topk_scores(logits, *args, **kwargs)
+
+    sampler_module.compute_topk_scores = spy  # records only; calls vLLM's function
+
+    def new_sampler(mode, params):
+        states = RequestState(MAX_REQS, 32, 64, 0, VOCAB, device)
+        # reasoning_config is the only field of VllmConfig the sampler reads
+        config = type("Config", (), {"reasoning_config": None})()
+        sampler = sampler_module.Sampler(config, MAX_REQS, VOCAB, device, states, mode)
+        prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+        for i, p in enumerate(params):
+            states.add_request(f"r{i}", len(prompt), prompt, len(prompt), 16)
+            sampler.add_request(states.req_id_to_index[f"r{i}"], p)
+        states.apply_staged_writes()
+        sampler.apply_staged_writes()
+        slots = [states.req_id_to_index[f"r{i}"] for i in range(len(params))]
+        batch = InputBatch.make_dummy(len(params), len(params), InputBuffers(8, 64, device))
+        mapping = torch.tensor(slots, dtype=torch.int64)
+        batch = dataclasses.replace(
+            batch, idx_mapping=mapping, idx_mapping_np=np.array(slots),
+            expanded_idx_mapping=mapping,
+        )  # fmt: skip
+        return sampler, batch
+
+    # "plain": temperature, greedy, min-p, top-k, top-p (the trainer can rebuild these);
+    # "edited": logit bias and penalties change the logits before the temperature.
+    plain = [
+        SamplingParams(temperature=0.7, top_k=50, top_p=0.9, logprobs=3, seed=11),
+        SamplingParams(temperature=1.0, logprobs=3, seed=12),
+        SamplingParams(temperature=0.0, logprobs=3, seed=13),
+        SamplingParams(temperature=1.3, min_p=0.05, logprobs=3, seed=14),
+        SamplingParams(temperature=0.9, top_p=0.5, logprobs=3, seed=15),
+        SamplingParams(temperature=2.0, top_k=5, logprobs=3, seed=16),
+    ]
+    edited = [
+        SamplingParams(temperature=0.8, logit_bias={7: 5.0, 8: -3.0}, presence_penalty=0.5,
+                       logprobs=2, seed=21),
+        SamplingParams(temperature=1.1, repetition_penalty=1.3, frequency_penalty=0.2,
+                       top_k=40, logprobs=2, seed=22),
+    ]  # fmt: skip
+    # bad words: the engine turns words into token ids with the tokenizer; set the ids
+    edited[1]._bad_words_token_ids = [[7], [9]]
+    # more top logprobs than ours.EXACT_COLUMNS: column 0 exactlogp's, the rest vLLM's
+    many = [SamplingParams(temperature=1.0, logprobs=ours.EXACT_COLUMNS + 3, seed=31 + i)
+            for i in range(2)]  # fmt: skip
+    logits_plain, _ = llm_like_logits(len(plain), VOCAB, torch.bfloat16, seed=5)
+    logits_edited, _ = llm_like_logits(len(edited), VOCAB, torch.bfloat16, seed=6)
+
+    # prompt logprobs: two prompts prefilled at once, a stand-in LM head for the model
+    prompts = [[5, 17, 1200, 44, 9], [1, 2, 3, 1499, 600, 70, 8]]
+    head = torch.randn(VOCAB, 16, generator=torch.Generator().manual_seed(7))
+    hidden = torch.randn(12, 16, generator=torch.Generator().manual_seed(8))
+    prompt_logits = []
+
+    def logits_fn(h):
+        out = (h @ head.T).to(torch.bfloat16)
+        prompt_logits.append(out.clone())
+        return out
+
+    id_table = np.array([[17, 0, 1499], [1200, -1, 3], [44, 44, 2], [9, 1, 1]])
+
+    def run_prompts():
+        prompt_logits.clear()
+        states = RequestState(MAX_REQS, 32, 64, 0, VOCAB, device)
+        worker = prompt_logprob.PromptLogprobsWorker(MAX_REQS, device, "raw_logprobs")
+        for i, p in enumerate(prompts):
+            states.add_request(f"p{i}", len(p), p, 0, 4)
+            extra = {"prompt_logprob_token_ids": id_table} if i == 0 else {}
+            worker.add_request(
+                f"p{i}", states.req_id_to_index[f"p{i}"],
+                SamplingParams(prompt_logprobs=2, max_tokens=4, **extra),
+            )  # fmt: skip
+        states.apply_staged_writes()
+        slots = [states.req_id_to_index[f"p{i}"] for i in range(2)]
+        lens = np.array([len(p) for p in prompts], dtype=np.int32)
+        starts = np.array([0, lens[0], lens.sum()], dtype=np.int32)
+        batch = InputBatch.make_dummy(2, int(lens.sum()), InputBuffers(8, 64, device))
+        mapping = torch.tensor(slots, dtype=torch.int64)
+        batch = dataclasses.replace(
+            batch, req_ids=["p0", "p1"], idx_mapping=mapping, idx_mapping_np=np.array(slots),
+            expanded_idx_mapping=mapping, num_scheduled_tokens=lens,
+            query_start_loc=torch.from_numpy(starts), query_start_loc_np=starts,
+            prefill_len_np=lens, num_computed_prefill_tokens_np=np.zeros(2, dtype=np.int32),
+        )  # fmt: skip
+        by_ids = worker.compute_prompt_token_id_logprobs(
+            logits_fn, hidden, batch, states.prompt_len.np
+        )
+        logits_for_ids = torch.cat(prompt_logits)
+        prompt_logits.clear()
+        tensors = worker.compute_prompt_logprobs(
+            logits_fn, hidden, batch, states.all_token_ids.gpu,
+            states.num_computed_tokens.gpu, states.prompt_len.np,
+        )  # fmt: skip
+        out = {"logits": torch.cat(prompt_logits), "ids_logits": logits_for_ids}
+        out["ids_scores"] = by_ids["p0"]
+        out["ids_table"] = torch.from_numpy(id_table)
+        for name in ("p0", "p1"):
+            t = tensors[name]
+            out[name] = {"ids": t.logprob_token_ids, "logprobs": t.logprobs,
+                         "ranks": t.selected_token_ranks}  # fmt: skip
+        return out
+
+    def run_all():
+        results = {}
+        runs = [("plain", plain, logits_plain, "raw_logprobs"),
+                ("plain", plain, logits_plain, "processed_logprobs"),
+                ("edited", edited, logits_edited, "processed_logprobs"),
+                ("many", many, logits_plain[:2], "raw_logprobs")]  # fmt: skip
+        for case, params, logits, mode in runs:
+            sampler, batch = new_sampler(mode, params)
+            scored.clear()
+            out = sampler(logits.clone(), batch)
+            t = out.logprobs_tensors
+            results[f"{case}/{mode}"] = {
+                "sampled": out.sampled_token_ids, "ids": t.logprob_token_ids,
+                "logprobs": t.logprobs, "ranks": t.selected_token_ranks, "scored": scored[0],
+            }  # fmt: skip
+        results["prompt"] = run_prompts()
+        # the spec-decode rejection sampler binds compute_topk_scores by name
+        ids = torch.stack([logits_plain.float().argmax(-1), torch.full((6,), 42)], -1)
+        spec = rejection.compute_topk_scores(logits_plain, 1, ids[:, 0])
+        results["spec"] = {"ids": spec.logprob_token_ids, "logprobs": spec.logprobs}
+        # the CPU model runner's scorer (its torch.compile'd functions run eagerly here)
+        cpu = cpu_logprob.compute_topk_scores(logits_plain, 2, ids[:, 0])
+        results["cpu_runner"] = {"ids": cpu.logprob_token_ids, "logprobs": cpu.logprobs}
+        return results
+
+    saved = {"version": vllm.__version__, "logits_plain": logits_plain,
+             "logits_edited": logits_edited, "head": head, "hidden": hidden,
+             "temperature_plain": torch.tensor([p.temperature for p in plain]),
+             "temperature_edited": torch.tensor([p.temperature for p in edited]),
+             "top_k_plain": torch.tensor([p.top_k if p.top_k > 0 else VOCAB for p in plain]),
+             "top_p_plain": torch.tensor([p.top_p for p in plain]),
+             "min_p_plain": torch.tensor([p.min_p for p in plain]),
+             "same_scorer_in_spec": rejection.compute_topk_scores is logprob.compute_topk_scores}  # fmt: skip
+    saved["unpatched"] = run_all()
+
+    # a vLLM whose compute_topk_scores no longer calls compute_token_logprobs is refused
+    # and nothing is patched
+    def elsewhere(logits, num_logprobs, sampled_token_ids, *args, **kwargs):
+        return torch.log_softmax(logits.float(), -1)
+
+    logprob.compute_topk_scores = elsewhere
+    try:
+        ours.patch_vllm_sampler()
+        saved["refused"] = "patched"
+    except RuntimeError as exc:
+        saved["refused"] = str(exc)
+    logprob.compute_topk_scores = their_scorer
+    saved["nothing_patched"] = not hasattr(logprob.compute_token_logprobs, "__wrapped__")
+    handle = ours.patch_vllm_sampler()
+    saved["sites"] = list(handle.sites)
+    saved["idempotent"] = ours.patch_vllm_sampler() is handle
+    saved["skipped"] = [str(s) for s in handle.skipped]
+    saved["patched"] = run_all()
+    saved["unpatch"] = ours.unpatch_vllm_sampler()
+    saved["unpatched_again"] = run_all()
+    # vLLM's own plugin loader, as its engine core and workers run it at start-up
+    from vllm.plugins import load_general_plugins
+
+    os.environ["EXACTLOGP_PATCH"] = "vllm"
+    os.environ["VLLM_PLUGINS"] = "exactlogp"
+    load_general_plugins()
+    saved["plugin_patched"] = hasattr(logprob.compute_token_logprobs, "__wrapped__")
+    torch.save(saved, out_path)
+
+
+if __name__ == "__main__":
+    try:
+        main(sys.argv[1])
+    except BaseException:
+        traceback.print_exc()
+        sys.exit(1)
