@@ -63,7 +63,9 @@ def test_gpu_check_runs_end_to_end_in_the_interpreter(tmp_path):
     assert {r["output"] for r in drawn} == set(Finalized._fields)
     # every stage ran and was written (bandwidth needs CUDA)
     cuda = torch.cuda.is_available()
-    stages = ["bits", "fused", "latency", *(["bandwidth"] if cuda else []), "ptx", "profile"]
+    stages = ["bits", "fused", "processed", "latency", *(["bandwidth"] if cuda else []),
+              "ptx", "profile"]  # fmt: skip
+    assert any(r["case"].startswith("processed") for r in others)  # the exact cut's bits
     assert report["stages_done"] == stages
     # where the time goes: every part ran and the probe's integers were checked
     prof = report["profile"]

@@ -27,12 +27,15 @@
    the CPU; batch invariance on the device (rows' logits and logprobs one row per call, 7
    per call and all at once: the exact head must agree, the torch bf16 / fp32 heads'
    differences are counted); its latency against the bf16 LM-head GEMM + megatron-core's CE.
-6. Where the time goes (profile.py): GEMM ceilings at the real shapes, kernels and launches
+6. Processed logprobs (processed.py): processed_logprobs, its keep mask and thresholds,
+   and sample, on the device against the CPU bit for bit (each cut alone, all three,
+   per-row top-k), and their latency beside the plain forward and a sort-based sampler.
+7. Where the time goes (profile.py): GEMM ceilings at the real shapes, kernels and launches
    per call (torch.profiler), the host's functions (cProfile), forward+backward from a CUDA
    graph, and an exactness probe of bf16 tl.dot on integer slices.
 
-The stages run in the order bits, fused LM head, latency, bandwidth, compiled code,
-profile, and
+The stages run in the order bits, fused LM head, processed logprobs, latency, bandwidth,
+compiled code, profile, and
 gpu_check.json and gpu_check.md are written to --out after each one, so a run cut short
 keeps the stages it finished ("stages run" in the report).
 
@@ -60,9 +63,9 @@ import torch
 import exactlogp
 
 from .. import contract
-from . import bits, linear, profile, speed
+from . import bits, linear, processed, profile, speed
 
-STAGES = ("bits", "latency", "bandwidth", "ptx", "fused", "profile")
+STAGES = ("bits", "latency", "bandwidth", "ptx", "fused", "processed", "profile")
 
 
 def environment(device) -> dict:
@@ -218,6 +221,11 @@ def main(argv: list[str] | None = None) -> int:
         report["invariance"] = linear.batch_invariance(device, args.tiny, log)
         report["latency"] += linear.latency(device, args.tiny, args.repeats, args.warmup, log)
         save("fused")
+    if "processed" not in args.skip:
+        log("processed logprobs and sample (the exact cut)")
+        report["bits"] += processed.run_bits(device, args.tiny, log)
+        report["latency"] += processed.latency(device, args.tiny, args.repeats, args.warmup, log)
+        save("processed")
     if "latency" not in args.skip:
         log("latency")
         rows, notes = speed.latency(shapes, device, args.repeats, args.warmup, log)

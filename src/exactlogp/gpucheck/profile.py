@@ -1,4 +1,4 @@
-"""Stage 6 of the GPU check: where the time goes.
+"""Stage 7 of the GPU check: where the time goes.
 
 1. GEMM ceilings at the real shapes (CUDA events, interleaved): the bf16 LM-head GEMM a
    user runs instead, one K-chunk of the DGEMM route (fp64), and torch._int_mm over each
@@ -257,7 +257,7 @@ def run(device, tiny: bool, repeats: int, warmup: int, log) -> tuple[dict, list[
 
 
 def markdown(p: dict) -> list[str]:
-    lines = ["", "## 6. Where the time goes", "", "| GEMM | shape | median us | T/s |",
+    lines = ["", "## 7. Where the time goes", "", "| GEMM | shape | median us | T/s |",
              "|---|---|---|---|"]  # fmt: skip
     lines += [f"| {r['gemm']} | {r['shape']} | {r['median'] * 1e6:.1f} | {r['T_per_s']:.1f} |"
               for r in p["ceilings"]]  # fmt: skip
