@@ -315,6 +315,9 @@ def test_v2_exact_cut_logprobs_and_sampling_mask_are_exactlogps(v2):
     expected = torch.where(res.mask.keep_mask, y, float("-inf"))
     assert torch.equal(got["scored"][rows], expected)
     # top-k columns: the largest processed values, exactlogp's logprobs of them
+    assert torch.equal(got["ids"][:, 0], got["sampled"][:, 0])
+    top = torch.topk(got["scored"], got["ids"].shape[1] - 1, dim=-1).values
+    assert torch.equal(got["scored"].gather(-1, got["ids"][:, 1:]), top)
     assert torch.equal(got["logprobs"], _exact_columns(got["scored"], got["ids"]))
     mask = _unpack_mask(got)
     assert torch.equal(mask[rows], res.mask.keep_mask)

@@ -3,7 +3,9 @@
 `patch_vllm_sampler()` makes vLLM compute every logprob it returns with exactlogp (V2
 model runner: `compute_token_logprobs`, vLLM 0.25-0.34; V1 runner: the sampler's
 sampled-token logprob, vLLM <= 0.33); `vllm_plugin` applies it in vLLM's worker
-processes when EXACTLOGP_PATCH names `vllm`.
+processes when EXACTLOGP_PATCH names `vllm`. Opt-in, `patch_vllm_sampler(cut="exact")`
+(EXACTLOGP_VLLM_CUT=exact for the plugin) also makes vLLM 0.34's V2 sampler cut and draw
+with exactlogp (docs/numerics.md section 13) for requests with top-k / top-p / min-p.
 
 `rollout_logprobs` takes the logits vLLM's sampler sees (gathered, or still split over
 vLLM's tensor-parallel group) and gives, per sampled token, vLLM's "raw" logprob (log
