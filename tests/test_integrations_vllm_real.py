@@ -273,7 +273,9 @@ def test_v2_exact_cut_is_opt_in_and_reaches_the_sampler(v2):
         "vllm.v1.worker.gpu.sample.prompt_logprob.compute_token_logprobs",
         "vllm.v1.worker.cpu.logprob.compute_token_logprobs",
         "vllm.v1.worker.gpu.sample.sampler.Sampler.sample",
+        "vllm.v1.worker.gpu.spec_decode.rejection_sampler.RejectionSampler._verify",
     ]
+    assert "rejection sampler keeps vLLM's own top-k" in v2["exact_spec_refused"]
     assert v2["exact_options"] == "{'cut': 'exact'}" and v2["exact_unpatch"] is True
     assert "already applied with {'cut': 'exact'}" in v2["exact_then_default"]
     assert v2["plugin_cut"]  # the plugin with EXACTLOGP_VLLM_CUT=exact

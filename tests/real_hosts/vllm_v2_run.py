@@ -305,6 +305,19 @@ def main(out_path: str) -> None:
     except ValueError as exc:
         saved["exact_then_default"] = str(exc)
     saved["exact"] = run_exact()
+    # speculative decoding's verification with a cut request is refused (before any work)
+    sampler, batch = new_sampler("processed_logprobs", exact_params)
+    try:
+        names = ("logits", "draft_logits", "draft_sampled", "pos", "cu_num_logits",
+                 "idx_mapping", "expanded_idx_mapping", "expanded_local_pos",
+                 "seq_lens_upper_bound_np")  # fmt: skip
+        rejection.RejectionSampler._verify(
+            type("Verify", (), {"sampler": sampler})(), idx_mapping_np=batch.idx_mapping_np,
+            **dict.fromkeys(names),
+        )  # fmt: skip
+        saved["exact_spec_refused"] = "verified"
+    except NotImplementedError as exc:
+        saved["exact_spec_refused"] = str(exc)
     saved["exact_repeat"] = run_exact()
     saved["exact_unpatch"] = ours.unpatch_vllm_sampler()
     saved["exact_unpatched_again"] = run_exact()

@@ -157,6 +157,7 @@ EXACT_COLUMNS = 32  # logprob columns per token computed exactly; past that, col
 CUTS = ("vllm", "exact")
 CUT_ENV = "EXACTLOGP_VLLM_CUT"  # read by vllm_plugin: "exact" for patch_vllm_sampler(cut="exact")
 _V2_SAMPLER = "vllm.v1.worker.gpu.sample.sampler"
+_V2_REJECTION = "vllm.v1.worker.gpu.spec_decode.rejection_sampler"
 
 
 @_patching.atomic
@@ -173,8 +174,10 @@ def patch_vllm_sampler(cut: str = "vllm") -> _patching.PatchHandle:
     `_exact_sample`). Such a row's processed logits are then y = fp32(logit) / T on the
     kept set and -inf elsewhere, so its processed logprobs are exactlogp's
     `processed_logprobs` and vLLM's `return_sampling_mask` is the exact kept set. Rows
-    without a cut and greedy rows are sampled by vLLM as before. Changing how vLLM
-    samples is the user's choice, hence opt-in.
+    without a cut and greedy rows are sampled by vLLM as before. The spec-decoding
+    rejection sampler is not wired: its verification step raises NotImplementedError
+    for a request with a cut. Changing how vLLM samples is the user's choice, hence
+    opt-in.
 
     V2 model runner (vLLM 0.25+, the only runner from 0.34): replaces
     `vllm.v1.worker.gpu.sample.logprob.compute_token_logprobs`, which every logprob vLLM
@@ -227,7 +230,11 @@ def patch_vllm_sampler(cut: str = "vllm") -> _patching.PatchHandle:
             "so nothing was patched"
         )
     if cut == "exact":
-        sites.append(_patching.Site(_V2_SAMPLER, "Sampler.sample", _exact_sample, wraps=True))
+        sites += [
+            _patching.Site(_V2_SAMPLER, "Sampler.sample", _exact_sample, wraps=True),
+            _patching.Site(_V2_REJECTION, "RejectionSampler._verify", _refuse_exact_verify,
+                           wraps=True, optional=True),
+        ]  # fmt: skip
     return _patching.apply(PATCH_KEY, sites, {"cut": cut} if cut != "vllm" else None)
 
 
@@ -358,13 +365,7 @@ def _exact_sample(original):
     @functools.wraps(original)
     def sample(self, logits, expanded_idx_mapping, idx_mapping, idx_mapping_np, *args, **kw):
         states = self.sampling_states
-        req = idx_mapping_np  # the batch's request slots, a host array
-        any_cut = (states.temperature.np[req] != 0) & (
-            (states.top_k.np[req] < states.vocab_size)
-            | (states.top_p.np[req] != 1)
-            | (states.min_p.np[req] != 0)
-        )
-        if not bool(any_cut.any()):
+        if not _any_cut(states, idx_mapping_np):  # the batch's request slots, on the host
             return original(self, logits, expanded_idx_mapping, idx_mapping, idx_mapping_np,
                             *args, **kw)  # fmt: skip
         before = []
@@ -409,6 +410,42 @@ def _exact_rows(states, x, sampled, processed, requests, pos):
     # -1: a row without a finite value (exactlogp draws nothing); vLLM's id stays
     sampled[rows] = torch.where(drawn >= 0, drawn, sampled[rows]).to(sampled.dtype)
     return sampled, processed
+
+
+def _any_cut(states, requests) -> bool:
+    """Whether a request slot of `requests` (host array) takes the exact cut."""
+    return bool(
+        (
+            (states.temperature.np[requests] != 0)
+            & (
+                (states.top_k.np[requests] < states.vocab_size)
+                | (states.top_p.np[requests] != 1)
+                | (states.min_p.np[requests] != 0)
+            )
+        ).any()
+    )
+
+
+def _refuse_exact_verify(original):
+    """The spec-decoding rejection sampler draws with vLLM's own cut: with cut="exact",
+    a verification step for a request with a cut raises instead of sampling outside the
+    set the trainer replays."""
+    import inspect
+
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def _verify(self, *args, **kwargs):
+        requests = signature.bind(self, *args, **kwargs).arguments.get("idx_mapping_np")
+        if requests is not None and _any_cut(self.sampler.sampling_states, requests):
+            raise NotImplementedError(
+                "patch_vllm_sampler(cut='exact'): speculative decoding's rejection sampler "
+                "keeps vLLM's own top-k / top-p / min-p cut; run requests with a cut without "
+                "speculative decoding, or patch with cut='vllm'"
+            )
+        return original(self, *args, **kwargs)
+
+    return _verify
 
 
 class _instance_attrs:
