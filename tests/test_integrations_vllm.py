@@ -224,6 +224,34 @@ def test_patch_without_vllm_is_a_clear_error(monkeypatch):
         vllm.patch_vllm_sampler()
 
 
+def test_exact_cut_bad_values_and_a_v1_only_vllm_are_refused(monkeypatch):
+    """cut is checked before vLLM is imported; cut="exact" needs the V2 model runner (a
+    vLLM with only vllm.v1.sample.sampler, built here, is refused and left unpatched);
+    EXACTLOGP_VLLM_CUT is checked by name. The exact cut itself runs against vLLM's own
+    sampler in test_integrations_vllm_real.py."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "vllm", None)
+    with pytest.raises(ValueError, match=r"cut must be one of \('vllm', 'exact'\), got 'fast'"):
+        vllm.patch_vllm_sampler(cut="fast")
+    monkeypatch.setenv("EXACTLOGP_VLLM_CUT", "sort")
+    with pytest.raises(ValueError, match=r"EXACTLOGP_VLLM_CUT='sort' must be one of vllm, exact"):
+        vllm.requested_cut()
+    for raw, cut in (("", "vllm"), (" exact ", "exact"), ("vllm", "vllm")):
+        monkeypatch.setenv("EXACTLOGP_VLLM_CUT", raw)
+        assert vllm.requested_cut() == cut
+
+    class Sampler:
+        def forward(self, logits, sampling_metadata):
+            return None
+
+    install_vllm_sampler(monkeypatch, Sampler)
+    with pytest.raises(RuntimeError, match=r"cannot take the exact cut: it has no V2 model runner"):
+        vllm.patch_vllm_sampler(cut="exact")
+    assert Sampler.__dict__["forward"].__name__ == "forward"
+    assert not hasattr(Sampler.forward, "__wrapped__")
+
+
 # --- logits still split over vLLM's tensor-parallel group (gloo world of 2) ---
 
 

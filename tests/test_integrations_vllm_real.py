@@ -247,6 +247,102 @@ def test_v2_unpatch_restores_vllms_bits(v2):
     _assert_same(v2["unpatched_again"], v2["unpatched"])
 
 
+# --- vLLM 0.34, V2 sampler with patch_vllm_sampler(cut="exact") ---
+
+EXACT_ROWS, VLLM_ROWS = [0, 3, 4, 5], [1, 2]  # rows with a cut; no cut and greedy
+
+
+def _exact_params(got, rows):
+    return dict(
+        temperature=got["temperature"][rows], top_k=got["top_k"][rows].long(),
+        top_p=got["top_p"][rows], min_p=got["min_p"][rows],
+    )  # fmt: skip
+
+
+def _unpack_mask(got):
+    """vLLM's returned sampling mask (SamplingMaskTensors) as an (N, V) bool."""
+    bits = got["mask_bits"].to(torch.int64)
+    shifts = torch.arange(8)
+    mask = ((bits.unsqueeze(-1) >> shifts) & 1).flatten(1)[:, : got["scored"].shape[1]]
+    return mask.bool()
+
+
+def test_v2_exact_cut_is_opt_in_and_reaches_the_sampler(v2):
+    assert v2["exact_sites"] == [
+        "vllm.v1.worker.gpu.sample.logprob.compute_token_logprobs",
+        "vllm.v1.worker.gpu.sample.prompt_logprob.compute_token_logprobs",
+        "vllm.v1.worker.cpu.logprob.compute_token_logprobs",
+        "vllm.v1.worker.gpu.sample.sampler.Sampler.sample",
+        "vllm.v1.worker.gpu.spec_decode.rejection_sampler.RejectionSampler._verify",
+    ]
+    assert "rejection sampler keeps vLLM's own top-k" in v2["exact_spec_refused"]
+    assert v2["exact_options"] == "{'cut': 'exact'}" and v2["exact_unpatch"] is True
+    assert "already applied with {'cut': 'exact'}" in v2["exact_then_default"]
+    assert v2["plugin_cut"]  # the plugin with EXACTLOGP_VLLM_CUT=exact
+    # a Sampler.sample that no longer calls _sample_random is refused, nothing patched
+    assert "lacks Sampler.sample calling _sample_random" in v2["exact_refused"]
+    assert "vLLM 0.34.0" in v2["exact_refused"] and v2["exact_nothing_patched"]
+    _assert_same(v2["exact_unpatched_again"], v2["exact_unpatched"])
+
+
+def test_v2_exact_cut_samples_inside_exactlogps_kept_set(v2):
+    """Every row with a cut: the id vLLM returns is exactlogp.sample's draw (its uniform
+    from vLLM's per-request hash) and lies in exactlogp.sampling_mask's kept set; the
+    logits cut are those after vLLM's logit bias (row 5), before its temperature."""
+    got, rows = v2["exact"], EXACT_ROWS
+    before, logits = got["before"], v2["logits_exact"]
+    assert torch.equal(before[:5], logits[:5].float())  # no processor on these rows
+    assert before[5, 7] == logits[5, 7].float() + 5.0  # logit bias, then the cut
+    params = _exact_params(got, rows)
+    keep = exactlogp.sampling_mask(before[rows], **params).keep_mask
+    sampled = got["sampled"][rows, 0]
+    assert bool(keep.gather(1, sampled.unsqueeze(-1)).all())
+    drawn = exactlogp.sample(before[rows], uniforms=got["uniforms"][rows], **params)
+    assert torch.equal(sampled, drawn)
+    assert keep.sum(-1).tolist() == [4, 5, 1173, 20]  # tens of ids kept, not one
+    _assert_same(v2["exact_repeat"], got)  # seeded: the same draw again
+
+
+def test_v2_exact_cut_logprobs_and_sampling_mask_are_exactlogps(v2):
+    """The processed logprobs of the sampled ids are exactlogp.processed_logprobs on the
+    same logits (bitwise), the processed logits are y on the kept set and -inf elsewhere,
+    and vLLM's return_sampling_mask is that kept set."""
+    got, rows = v2["exact"], EXACT_ROWS
+    params = _exact_params(got, rows)
+    x = got["before"][rows]
+    res = exactlogp.processed_logprobs(x, got["sampled"][rows, 0], **params)
+    assert int(res.num_dropped) == 0
+    assert torch.equal(got["logprobs"][rows, 0], res.logprobs)
+    y = x / params["temperature"].unsqueeze(-1)
+    expected = torch.where(res.mask.keep_mask, y, float("-inf"))
+    assert torch.equal(got["scored"][rows], expected)
+    # top-k columns: the largest processed values, exactlogp's logprobs of them
+    assert torch.equal(got["ids"][:, 0], got["sampled"][:, 0])
+    top = torch.topk(got["scored"], got["ids"].shape[1] - 1, dim=-1).values
+    assert torch.equal(got["scored"].gather(-1, got["ids"][:, 1:]), top)
+    assert torch.equal(got["logprobs"], _exact_columns(got["scored"], got["ids"]))
+    mask = _unpack_mask(got)
+    assert torch.equal(mask[rows], res.mask.keep_mask)
+    assert torch.equal(got["mask_counts"][rows], res.mask.keep_mask.sum(-1).to(torch.int32))
+    for i, row in enumerate(rows):
+        n = int(got["mask_counts"][row])
+        ids = torch.nonzero(res.mask.keep_mask[i]).flatten().to(torch.int32)
+        assert torch.equal(got["mask_ids"][row, :n], ids)
+
+
+def test_v2_exact_cut_leaves_other_rows_to_vllm(v2):
+    """Rows without a cut (row 1) and greedy rows (row 2): vLLM's ids, processed logits,
+    ranks and sampling mask bit for bit; the logprobs are exactlogp's of the same logits
+    (the default patch)."""
+    got, theirs, rows = v2["exact"], v2["exact_unpatched"], VLLM_ROWS
+    for name in ("sampled", "ids", "ranks", "scored", "mask_counts", "mask_bits", "before"):
+        assert torch.equal(got[name][rows], theirs[name][rows]), name
+    assert torch.equal(got["uniforms"], theirs["uniforms"])
+    torch.testing.assert_close(got["logprobs"][rows], theirs["logprobs"][rows])
+    # and vLLM's own draw on the cut rows differs somewhere (the test can tell)
+    assert not torch.equal(got["sampled"][EXACT_ROWS], theirs["sampled"][EXACT_ROWS])
+
+
 # --- vLLM 0.33, V1 sampler ---
 
 

@@ -66,9 +66,11 @@ def main(out_path: str) -> None:
     import vllm.v1.worker.gpu.spec_decode.rejection_sampler as rejection
     from vllm.sampling_params import SamplingParams
     from vllm.v1.worker.gpu.input_batch import InputBatch, InputBuffers
+    from vllm.v1.worker.gpu.sample.states import SamplingStates
     from vllm.v1.worker.gpu.states import RequestState
 
     from exactlogp.integrations import vllm as ours
+    from exactlogp.integrations._vllm_uniforms import row_uniforms
     from exactlogp.testing import llm_like_logits
 
     device = torch.device("cpu")
@@ -82,11 +84,14 @@ def main(out_path: str) -> None:
 
     sampler_module.compute_topk_scores = spy  # records only; calls vLLM's function
 
-    def new_sampler(mode, params):
+    def new_sampler(mode, params, return_sampling_mask=False):
         states = RequestState(MAX_REQS, 32, 64, 0, VOCAB, device)
         # reasoning_config is the only field of VllmConfig the sampler reads
         config = type("Config", (), {"reasoning_config": None})()
-        sampler = sampler_module.Sampler(config, MAX_REQS, VOCAB, device, states, mode)
+        sampler = sampler_module.Sampler(
+            config, MAX_REQS, VOCAB, device, states, mode,
+            return_sampling_mask=return_sampling_mask,
+        )  # fmt: skip
         prompt = [3, 1, 4, 1, 5, 9, 2, 6]
         for i, p in enumerate(params):
             states.add_request(f"r{i}", len(prompt), prompt, len(prompt), 16)
@@ -101,6 +106,47 @@ def main(out_path: str) -> None:
             expanded_idx_mapping=mapping,
         )  # fmt: skip
         return sampler, batch
+
+    # the exact cut (patch_vllm_sampler(cut="exact")): rows 0, 3, 4, 5 have a cut (row 5
+    # after a logit bias), row 1 none, row 2 is greedy; vLLM also returns its sampling mask
+    exact_params = [
+        SamplingParams(temperature=1.5, top_k=50, top_p=0.9, min_p=0.05, logprobs=2, seed=41),
+        SamplingParams(temperature=1.0, logprobs=2, seed=42),
+        SamplingParams(temperature=0.0, top_k=5, logprobs=2, seed=43),
+        SamplingParams(temperature=2.0, min_p=0.02, logprobs=2, seed=44),
+        SamplingParams(temperature=1.8, top_p=0.9, logprobs=2, seed=45),
+        SamplingParams(temperature=2.0, top_k=20, logit_bias={7: 5.0}, logprobs=2, seed=46),
+    ]  # fmt: skip
+    logits_exact, _ = llm_like_logits(len(exact_params), VOCAB, torch.float32, seed=9)
+    logits_exact = (logits_exact / 3).to(torch.bfloat16)  # flatter: cuts keep tens of ids
+    before_temperature = []  # what vLLM's apply_temperature was handed, per call
+    their_apply_temperature = SamplingStates.apply_temperature
+
+    def temperature_spy(self, logits, *args, **kwargs):
+        before_temperature.append(logits.detach().clone())
+        return their_apply_temperature(self, logits, *args, **kwargs)
+
+    def run_exact():
+        sampler, batch = new_sampler("processed_logprobs", exact_params, True)
+        batch.seq_lens.fill_(9)  # past the 8-token prompts: each row samples a token
+        scored.clear()
+        before_temperature.clear()
+        out = sampler(logits_exact.clone(), batch)
+        t, mask = out.logprobs_tensors, out.sampling_mask_tensors
+        st = sampler.sampling_states
+        slots = batch.expanded_idx_mapping
+        pos = batch.positions[batch.logits_indices]
+        # compact ids past each row's count are unset memory: -1 there
+        past = torch.arange(mask.token_ids.shape[1]) >= mask.counts.unsqueeze(-1)
+        return {
+            "sampled": out.sampled_token_ids, "ids": t.logprob_token_ids,
+            "logprobs": t.logprobs, "ranks": t.selected_token_ranks, "scored": scored[0],
+            "before": before_temperature[0], "mask_ids": mask.token_ids.masked_fill(past, -1),
+            "mask_bits": mask.packed_mask, "mask_counts": mask.counts,
+            "temperature": st.temperature.gpu[slots], "top_k": st.top_k.gpu[slots],
+            "top_p": st.top_p.gpu[slots], "min_p": st.min_p.gpu[slots],
+            "uniforms": row_uniforms(st.seeds.gpu, slots, pos, VOCAB),
+        }  # fmt: skip
 
     # "plain": temperature, greedy, min-p, top-k, top-p (the trainer can rebuild these);
     # "edited": logit bias and penalties change the logits before the temperature.
@@ -235,13 +281,56 @@ def main(out_path: str) -> None:
     saved["patched"] = run_all()
     saved["unpatch"] = ours.unpatch_vllm_sampler()
     saved["unpatched_again"] = run_all()
+
+    # a sampler whose sample() no longer calls _sample_random cannot take the exact cut
+    their_sample = sampler_module.Sampler.sample
+    sampler_module.Sampler.sample = lambda self, *a, **k: their_sample(self, *a, **k)
+    try:
+        ours.patch_vllm_sampler(cut="exact")
+        saved["exact_refused"] = "patched"
+    except RuntimeError as exc:
+        saved["exact_refused"] = str(exc)
+    sampler_module.Sampler.sample = their_sample
+    saved["exact_nothing_patched"] = not hasattr(logprob.compute_token_logprobs, "__wrapped__")
+
+    SamplingStates.apply_temperature = temperature_spy  # records only; calls vLLM's
+    saved["logits_exact"] = logits_exact
+    saved["exact_unpatched"] = run_exact()
+    exact = ours.patch_vllm_sampler(cut="exact")
+    saved["exact_sites"] = list(exact.sites)
+    saved["exact_options"] = str(exact.options)
+    try:
+        ours.patch_vllm_sampler()
+        saved["exact_then_default"] = "patched"
+    except ValueError as exc:
+        saved["exact_then_default"] = str(exc)
+    saved["exact"] = run_exact()
+    # speculative decoding's verification with a cut request is refused (before any work)
+    sampler, batch = new_sampler("processed_logprobs", exact_params)
+    try:
+        names = ("logits", "draft_logits", "draft_sampled", "pos", "cu_num_logits",
+                 "idx_mapping", "expanded_idx_mapping", "expanded_local_pos",
+                 "seq_lens_upper_bound_np")  # fmt: skip
+        rejection.RejectionSampler._verify(
+            type("Verify", (), {"sampler": sampler})(), idx_mapping_np=batch.idx_mapping_np,
+            **dict.fromkeys(names),
+        )  # fmt: skip
+        saved["exact_spec_refused"] = "verified"
+    except NotImplementedError as exc:
+        saved["exact_spec_refused"] = str(exc)
+    saved["exact_repeat"] = run_exact()
+    saved["exact_unpatch"] = ours.unpatch_vllm_sampler()
+    saved["exact_unpatched_again"] = run_exact()
+    SamplingStates.apply_temperature = their_apply_temperature
     # vLLM's own plugin loader, as its engine core and workers run it at start-up
     from vllm.plugins import load_general_plugins
 
     os.environ["EXACTLOGP_PATCH"] = "vllm"
+    os.environ["EXACTLOGP_VLLM_CUT"] = "exact"
     os.environ["VLLM_PLUGINS"] = "exactlogp"
     load_general_plugins()
     saved["plugin_patched"] = hasattr(logprob.compute_token_logprobs, "__wrapped__")
+    saved["plugin_cut"] = hasattr(sampler_module.Sampler.sample, "__wrapped__")
     torch.save(saved, out_path)
 
 

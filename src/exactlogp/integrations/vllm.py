@@ -3,7 +3,9 @@
 `patch_vllm_sampler()` makes vLLM compute every logprob it returns with exactlogp (V2
 model runner: `compute_token_logprobs`, vLLM 0.25-0.34; V1 runner: the sampler's
 sampled-token logprob, vLLM <= 0.33); `vllm_plugin` applies it in vLLM's worker
-processes when EXACTLOGP_PATCH names `vllm`.
+processes when EXACTLOGP_PATCH names `vllm`. Opt-in, `patch_vllm_sampler(cut="exact")`
+(EXACTLOGP_VLLM_CUT=exact for the plugin) also makes vLLM 0.34's V2 sampler cut and draw
+with exactlogp (docs/numerics.md section 13) for requests with top-k / top-p / min-p.
 
 `rollout_logprobs` takes the logits vLLM's sampler sees (gathered, or still split over
 vLLM's tensor-parallel group) and gives, per sampled token, vLLM's "raw" logprob (log
@@ -152,9 +154,30 @@ _EXACT_MODES = ("raw_logprobs", "processed_logprobs")
 EXACT_COLUMNS = 32  # logprob columns per token computed exactly; past that, column 0 only
 
 
+CUTS = ("vllm", "exact")
+CUT_ENV = "EXACTLOGP_VLLM_CUT"  # read by vllm_plugin: "exact" for patch_vllm_sampler(cut="exact")
+_V2_SAMPLER = "vllm.v1.worker.gpu.sample.sampler"
+_V2_REJECTION = "vllm.v1.worker.gpu.spec_decode.rejection_sampler"
+
+
 @_patching.atomic
-def patch_vllm_sampler() -> _patching.PatchHandle:
+def patch_vllm_sampler(cut: str = "vllm") -> _patching.PatchHandle:
     """Make vLLM report exactlogp's logprobs, in this process.
+
+    cut: "vllm" (default) leaves vLLM's sampling as it is: vLLM's own min-p / top-k /
+    top-p cut and draw, and exactlogp's logprobs of what it returns. "exact" (V2 model
+    runner only) also makes the sampler cut and draw with exactlogp for every request
+    with a temperature above 0 and a top-k, top-p or min-p: the cut of docs/numerics.md
+    section 13 on the logits after vLLM's logit bias, penalties, bad words and custom
+    processors, at the request's temperature, and `exactlogp.sample` with one uniform
+    per row from the request's seed and position (vLLM's own hash; see
+    `_exact_sample`). Such a row's processed logits are then y = fp32(logit) / T on the
+    kept set and -inf elsewhere, so its processed logprobs are exactlogp's
+    `processed_logprobs` and vLLM's `return_sampling_mask` is the exact kept set. Rows
+    without a cut and greedy rows are sampled by vLLM as before. The spec-decoding
+    rejection sampler is not wired: its verification step raises NotImplementedError
+    for a request with a cut. Changing how vLLM samples is the user's choice, hence
+    opt-in.
 
     V2 model runner (vLLM 0.25+, the only runner from 0.34): replaces
     `vllm.v1.worker.gpu.sample.logprob.compute_token_logprobs`, which every logprob vLLM
@@ -182,9 +205,13 @@ def patch_vllm_sampler() -> _patching.PatchHandle:
     (`EXACTLOGP_PATCH=vllm`, see `vllm_plugin`). Idempotent; undo with
     `unpatch_vllm_sampler()`.
     """
+    if cut not in CUTS:
+        raise ValueError(f"patch_vllm_sampler: cut must be one of {CUTS}, got {cut!r}")
     version = vllm_version()
     sites = []
     v2 = _module(_V2_LOGPROB)
+    if cut == "exact":
+        _check_exact_cut_takes_effect(v2, version)
     if v2 is not None:
         _check_v2_takes_effect(v2, version)
         sites += [
@@ -202,7 +229,13 @@ def patch_vllm_sampler() -> _patching.PatchHandle:
             f"{_V2_LOGPROB} nor the V1 {_V1_SAMPLER}; exactlogp knows vLLM 0.25 to 0.34, "
             "so nothing was patched"
         )
-    return _patching.apply(PATCH_KEY, sites)
+    if cut == "exact":
+        sites += [
+            _patching.Site(_V2_SAMPLER, "Sampler.sample", _exact_sample, wraps=True),
+            _patching.Site(_V2_REJECTION, "RejectionSampler._verify", _refuse_exact_verify,
+                           wraps=True, optional=True),
+        ]  # fmt: skip
+    return _patching.apply(PATCH_KEY, sites, {"cut": cut} if cut != "vllm" else None)
 
 
 @_patching.atomic
@@ -215,11 +248,23 @@ def vllm_plugin() -> None:
     """vLLM `general_plugins` entry point (registered as `exactlogp`): vLLM calls it in
     its front-end, engine-core and every worker process. It applies
     `patch_vllm_sampler()` when the environment variable EXACTLOGP_PATCH names `vllm`
-    (e.g. EXACTLOGP_PATCH=vllm), and does nothing otherwise."""
+    (e.g. EXACTLOGP_PATCH=vllm), and does nothing otherwise. EXACTLOGP_VLLM_CUT=exact
+    applies it with cut="exact" (unset, empty or "vllm": the default cut)."""
     from .autopatch import requested
 
     if "vllm" in requested():
-        patch_vllm_sampler()
+        patch_vllm_sampler(cut=requested_cut())
+
+
+def requested_cut() -> str:
+    """EXACTLOGP_VLLM_CUT as a `patch_vllm_sampler` cut ("vllm" when unset or empty)."""
+    import os
+
+    raw = os.environ.get(CUT_ENV, "")
+    cut = raw.strip() or "vllm"
+    if cut not in CUTS:
+        raise ValueError(f"{CUT_ENV}={raw!r} must be one of {', '.join(CUTS)} (or unset)")
+    return cut
 
 
 def vllm_version() -> str:
@@ -262,6 +307,169 @@ def _check_v2_takes_effect(module, version: str) -> None:
             "logprobs through compute_token_logprobs (compute_topk_scores no longer calls "
             "it), so replacing it would not take effect; nothing was patched"
         )
+
+
+def _check_exact_cut_takes_effect(v2, version: str) -> None:
+    """cut="exact" wraps the V2 Sampler.sample and hooks two calls it makes."""
+    why = None
+    if v2 is None:
+        why = f"it has no V2 model runner ({_V2_LOGPROB})"
+    else:
+        sampler = getattr(_module(_V2_SAMPLER), "Sampler", None)
+        states = _module("vllm.v1.worker.gpu.sample.states")
+        states = getattr(states, "SamplingStates", None)
+        needed = {
+            "Sampler.sample calling _sample_random": (sampler, "sample", "_sample_random"),
+            "Sampler.apply_sampling_params calling apply_temperature": (
+                sampler, "apply_sampling_params", "apply_temperature"),
+            "SamplingStates.apply_temperature": (states, "apply_temperature", None),
+            "Sampler._sample_random": (sampler, "_sample_random", None),
+        }  # fmt: skip
+        for what, (owner, name, calls) in needed.items():
+            code = getattr(getattr(owner, name, None), "__code__", None)
+            if code is None or (calls is not None and calls not in code.co_names):
+                why = f"its V2 sampler lacks {what}"
+                break
+    if why is not None:
+        raise RuntimeError(
+            f"patch_vllm_sampler(cut='exact'): vLLM {version} cannot take the exact cut: "
+            f"{why} (known: vLLM 0.34's V2 model runner); nothing was patched"
+        )
+
+
+def _cut_rows(states, requests: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Per-row (temperature, top_k, top_p, min_p) of the sampler's `states` and whether
+    the row takes the exact cut: a temperature above 0 and a top-k, top-p or min-p."""
+    t = states.temperature.gpu[requests]
+    k = states.top_k.gpu[requests].to(torch.int64)
+    p = states.top_p.gpu[requests]
+    m = states.min_p.gpu[requests]
+    cut = (t != 0) & ((k < states.vocab_size) | (p != 1) | (m != 0))
+    return t, k, p, m, cut
+
+
+def _exact_sample(original):
+    """Sampler.sample with the exact cut (patch_vllm_sampler(cut="exact")).
+
+    vLLM's own sample() runs unchanged, with two of its calls hooked for this call only:
+    `sampling_states.apply_temperature` keeps a copy of the logits it is handed (after
+    logit bias, penalties, bad words, custom processors and the thinking budget, before
+    temperature and min-p), and `_sample_random` -- vLLM's top-k / top-p and draw (Gumbel,
+    or a fused sampler where vLLM picks one) -- is followed by the exact rows: for every
+    row with a cut, the processed logits become y = fp32(x) / T on exactlogp's kept set
+    and -inf elsewhere, and the sampled id exactlogp's draw. The other rows keep vLLM's
+    values bit for bit (vLLM's noise is per row). vLLM's work on the cut rows is
+    overwritten, not skipped.
+    """
+
+    @functools.wraps(original)
+    def sample(self, logits, expanded_idx_mapping, idx_mapping, idx_mapping_np, *args, **kw):
+        states = self.sampling_states
+        if not _any_cut(states, idx_mapping_np):  # the batch's request slots, on the host
+            return original(self, logits, expanded_idx_mapping, idx_mapping, idx_mapping_np,
+                            *args, **kw)  # fmt: skip
+        before = []
+        their_temperature, their_random = states.apply_temperature, self._sample_random
+
+        def apply_temperature(x, *a, **k):
+            before.append(x.clone())
+            return their_temperature(x, *a, **k)
+
+        def sample_random(processed, mapping, mapping_np, pos, *a, **k):
+            sampled, processed = their_random(processed, mapping, mapping_np, pos, *a, **k)
+            if not before:
+                raise RuntimeError(
+                    "patch_vllm_sampler(cut='exact'): vLLM's sampler did not apply its "
+                    "temperature, so the logits to cut were not seen"
+                )
+            return _exact_rows(states, before[-1], sampled, processed, mapping, pos)
+
+        with _instance_attrs((states, "apply_temperature", apply_temperature),
+                             (self, "_sample_random", sample_random)):  # fmt: skip
+            return original(self, logits, expanded_idx_mapping, idx_mapping, idx_mapping_np,
+                            *args, **kw)  # fmt: skip
+
+    return sample
+
+
+def _exact_rows(states, x, sampled, processed, requests, pos):
+    """Overwrite the cut rows of vLLM's (sampled, processed logits) with exactlogp's."""
+    from .. import contract
+    from ..sampling import sample, sampling_mask
+    from ._vllm_uniforms import row_uniforms
+
+    t, k, p, m, cut = _cut_rows(states, requests.to(torch.int64))
+    rows = torch.nonzero(cut).flatten()
+    params = dict(temperature=t[rows], top_k=k[rows], top_p=p[rows], min_p=m[rows])
+    xr = x[rows]
+    keep = sampling_mask(xr, **params).keep_mask
+    u = row_uniforms(states.seeds.gpu, requests[rows], pos[rows], x.shape[-1])
+    drawn = sample(xr, uniforms=u, **params)
+    y = contract.scaled_logits(xr, t[rows].unsqueeze(-1))
+    processed[rows] = torch.where(keep, y, float("-inf")).to(processed.dtype)
+    # -1: a row without a finite value (exactlogp draws nothing); vLLM's id stays
+    sampled[rows] = torch.where(drawn >= 0, drawn, sampled[rows]).to(sampled.dtype)
+    return sampled, processed
+
+
+def _any_cut(states, requests) -> bool:
+    """Whether a request slot of `requests` (host array) takes the exact cut."""
+    return bool(
+        (
+            (states.temperature.np[requests] != 0)
+            & (
+                (states.top_k.np[requests] < states.vocab_size)
+                | (states.top_p.np[requests] != 1)
+                | (states.min_p.np[requests] != 0)
+            )
+        ).any()
+    )
+
+
+def _refuse_exact_verify(original):
+    """The spec-decoding rejection sampler draws with vLLM's own cut: with cut="exact",
+    a verification step for a request with a cut raises instead of sampling outside the
+    set the trainer replays."""
+    import inspect
+
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def _verify(self, *args, **kwargs):
+        requests = signature.bind(self, *args, **kwargs).arguments.get("idx_mapping_np")
+        if requests is not None and _any_cut(self.sampler.sampling_states, requests):
+            raise NotImplementedError(
+                "patch_vllm_sampler(cut='exact'): speculative decoding's rejection sampler "
+                "keeps vLLM's own top-k / top-p / min-p cut; run requests with a cut without "
+                "speculative decoding, or patch with cut='vllm'"
+            )
+        return original(self, *args, **kwargs)
+
+    return _verify
+
+
+class _instance_attrs:
+    """Set attributes on instances for a `with` block; put back what was there after."""
+
+    _MISSING = object()
+
+    def __init__(self, *triples):
+        self.triples = triples
+        self.saved = []
+
+    def __enter__(self):
+        for obj, name, value in self.triples:
+            self.saved.append((obj, name, obj.__dict__.get(name, self._MISSING)))
+            setattr(obj, name, value)
+
+    def __exit__(self, *exc):
+        for obj, name, old in reversed(self.saved):
+            if old is self._MISSING:
+                obj.__dict__.pop(name, None)
+            else:
+                setattr(obj, name, old)
+        self.saved.clear()
+        return False
 
 
 def _exact_token_logprobs(original):
