@@ -41,6 +41,26 @@ def test_run_gloo_world_returns_every_rank_value_with_one_thread_each():
     assert run_gloo_world(2, _rank_sum, timeout=60) == [(3, 1), (3, 1)]
 
 
+def _environment(rank, world_size, group):
+    import os
+    import sys
+
+    names = ("EXACTLOGP_TEST_SET_LATE", "EXACTLOGP_TEST_REMOVED", "EXACTLOGP_TEST_GIVEN")
+    return tuple(os.environ.get(n) for n in names), "torch" in sys.modules
+
+
+def test_a_rank_sees_the_environment_of_the_moment_its_world_starts(monkeypatch):
+    """The fork server started before these variables changed; its ranks see them anyway,
+    with the world's own `env` on top (None: removed)."""
+    run_gloo_world(1, _rank_sum, timeout=60)  # the fork server is running by now
+    monkeypatch.setenv("EXACTLOGP_TEST_SET_LATE", "late")
+    monkeypatch.setenv("EXACTLOGP_TEST_REMOVED", "there")
+    env = {"EXACTLOGP_TEST_REMOVED": None, "EXACTLOGP_TEST_GIVEN": "given"}
+    with worlds.World(2, _environment, env=env, timeout=60) as world:
+        assert world.wait() is None
+        assert world.values() == [(("late", None, "given"), True)] * 2
+
+
 def test_a_failing_rank_is_the_error_with_its_traceback():
     with pytest.raises(RuntimeError, match="rank 1: ValueError: rank 1 says no") as exc:
         run_gloo_world(2, _fail_on_rank1, timeout=60)

@@ -2,14 +2,18 @@
 report, the benchmarks, the GPU check and the tests.
 
 - `free_port`: the rendezvous port on 127.0.0.1.
-- `World`: `world_size` fresh processes joined by a gloo (CPU) or NCCL (one GPU per rank)
-  process group, each running `fn(rank, world_size, group, *args)`. Every rank writes its
-  return value, or its error, to a file before the group goes away, so a failing rank's
-  own error is on disk before its peers see the connection drop. Rank 0 reports progress
-  through another small file the parent polls (`progress`), and can leave results behind
-  as it goes (`publish`), so a killed process never leaves a lock behind and what was done
-  before a crash is kept. No process outlives the `with` block.
-- `run_world` / `run_gloo_world`: spawn, wait, return every rank's value or raise.
+- `World`: `world_size` new processes joined by a gloo (CPU) or NCCL (one GPU per rank)
+  process group, each running `fn(rank, world_size, group, *args)`. gloo ranks are
+  forked from multiprocessing's fork server, which has imported torch (and megatron-core
+  where installed, see worlds_preload.py) once and nothing else, so a rank starts in a
+  fraction of a second instead of importing torch itself; NCCL ranks are spawned. Either
+  way a rank takes the parent's environment as it is when the world starts. Every rank
+  writes its return value, or its error, to a file before the group goes away, so a
+  failing rank's own error is on disk before its peers see the connection drop. Rank 0
+  reports progress through another small file the parent polls (`progress`), and can
+  leave results behind as it goes (`publish`), so a killed process never leaves a lock
+  behind and what was done before a crash is kept. No process outlives the `with` block.
+- `run_world` / `run_gloo_world`: start, wait, return every rank's value or raise.
 - `single_rank`: a process group of this one process, so that TP1 measurements run
   through the same code as TP > 1.
 
@@ -26,6 +30,7 @@ import contextlib
 import datetime
 import hashlib
 import os
+import pickle
 import socket
 import tempfile
 import time
@@ -39,6 +44,7 @@ STARTUP_S = 300.0  # spawning a world and joining its process group, on a busy m
 POLL_S = 0.2
 FAILURE_GRACE_S = 1.0
 JOINED = ""  # the phase rank 0 reports once the process group is up
+PRELOAD = ("exactlogp.worlds_preload",)  # what the fork server imports once
 Progress = Callable[[str, int, str], None]  # (phase, steps done, what)
 
 
@@ -80,18 +86,25 @@ class World:
         if backend not in ("gloo", "nccl"):
             raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
         self.world_size, self.timeout = world_size, timeout
-        self._spec = (world_size, backend, dict(env or {}), timeout, threads, fn, tuple(args))
+        self._spec = (world_size, backend, dict(env or {}), timeout, threads)
+        self._payload = pickle.dumps((fn, tuple(args)), protocol=pickle.HIGHEST_PROTOCOL)
         self.phase: str | None = None  # the phase rank 0 reported last; None before it joined
         self._procs: list = []
         self._tmp: tempfile.TemporaryDirectory | None = None
         self._last_line: str | None = None
 
     def __enter__(self) -> World:
-        import torch.multiprocessing as mp
-
-        ctx = mp.get_context("spawn")
         self._tmp = tempfile.TemporaryDirectory(prefix="exactlogp-world-")
-        args = (free_port(), self._tmp.name, *self._spec)
+        world_size, backend, env, timeout, threads = self._spec
+        environ = dict(os.environ)  # what a process spawned now would see, with `env` on top
+        for key, value in env.items():
+            if value is None:
+                environ.pop(key, None)
+            else:
+                environ[key] = value
+        args = (free_port(), self._tmp.name, world_size, backend, environ, timeout, threads)
+        args = (*args, self._payload)
+        ctx = _context(backend)
         self._procs = [
             ctx.Process(target=_worker, args=(rank, *args), daemon=True)
             for rank in range(self.world_size)
@@ -276,20 +289,32 @@ def _die_with_parent() -> None:
         pass  # not Linux: the parent's clean-up is the only one
 
 
-def _worker(rank, port, tmp, world_size, backend, env, timeout, threads, fn, args):
+def _context(backend: str):
+    """gloo: the fork server's multiprocessing context (the first call chooses what it
+    preloads; a server already started by other code keeps its own list). NCCL: spawn, so
+    that no rank is forked from a process that may have touched CUDA."""
+    import torch.multiprocessing as mp
+
+    if backend == "nccl":
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(PRELOAD))
+    return ctx
+
+
+def _worker(rank, port, tmp, world_size, backend, environ, timeout, threads, payload):
     global _world_dir
     import torch.distributed as dist
 
-    _die_with_parent()
-    for key, value in env.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
+    _die_with_parent()  # a fork server's child: the server itself ends with the parent
+    os.environ.clear()  # the fork server's environment is the one it started with
+    os.environ.update(environ)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     _world_dir = tmp
     torch.set_num_threads(threads)
     try:
+        # unpickled only now, so that the modules it imports see the parent's environment
+        fn, args = pickle.loads(payload)
         if backend == "nccl":
             torch.cuda.set_device(rank)
         dist.init_process_group(

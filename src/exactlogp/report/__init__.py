@@ -4,7 +4,7 @@
 
   candidates/   one module per candidate, registered by name, each saying what it runs
                 (the one registry of the report, `exactlogp bench` and exactlogp.gpucheck)
-  worlds.py     every spawned torch.distributed world, the free port, the timeout policy,
+  worlds.py     every multi-process torch.distributed world, the free port, the timeout policy,
                 the process group of one rank
   measure.py    interleaved timing in shuffled rounds, clocks, peak memory
   tp1.py        candidates at TP1 in this process (the bench and the GPU check)
