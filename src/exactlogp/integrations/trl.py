@@ -14,6 +14,17 @@ On hidden states and the LM-head weight (the fused head every TRL 1.16 trainer u
 
 `patch_trl()` swaps all of them into TRL, in every module that bound them.
 
+Processed logprobs (`patch_trl(processed=True)`, opt-in): `GRPOTrainer` scores the policy,
+old and reference logprobs as the log-softmax over the kept set of the exact temperature /
+min-p / top-k / top-p cut (`exactlogp.processed_logprobs`, docs/numerics.md section 13),
+with the trainer's `GRPOConfig` `temperature`, `top_k`, `top_p`, `min_p`: what a rollout
+engine that reports processed logprobs (vLLM's `processed_logprobs`) computes. A completion
+token outside the trainer's kept set gets logprob 0 with a zero gradient and is removed
+from the loss (its `tool_mask` entry, the mask TRL's loss and metrics multiply in), and
+the count is logged (metrics `exactlogp/dropped_tokens/policy` and `.../old_ref`). The fused LM head computes the logits
+(`exactlogp.linear_logits`) in row blocks for this, checkpointed under autograd.
+`processed_selective_log_softmax` is the same on full logits.
+
 Values: every bf16 / fp16 / fp32 result is exactlogp's (`exactlogp.CONTRACT`): the
 temperature divides fp32(logits) by IEEE division (as TRL's GPU kernel does, and as a
 rollout engine's processed logprobs do), not the logits in their own dtype (TRL's CPU
@@ -27,19 +38,26 @@ TRL's fp32. Ids equal to -100 give 0 (TRL's gather raises on them).
 
 from __future__ import annotations
 
+import contextvars
 import functools
+import importlib
+import logging
 import types
 import weakref
 from contextlib import nullcontext
 
 import torch
 
+from .. import sampling
 from ..linear import linear_logits, linear_selected_logprobs
 from ..validation import LOGIT_DTYPES
 from . import _patching, _rows
 from ._dtensor import is_dtensor
 
+logger = logging.getLogger(__name__)
+
 PATCH_KEY = "patch_trl"
+DROPPED_METRIC = "exactlogp/dropped_tokens"  # + "/policy" or "/old_ref", per batch
 OPTIONAL_OUTPUTS = ("entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
 FUSED_OUTPUTS = ("log_probs", *OPTIONAL_OUTPUTS)
 _ROW_BLOCK = 1024  # rows of (N, V) fp32 logits materialised at once for mean_logits / is_top1
@@ -118,6 +136,61 @@ def entropy_from_logits(
     return _rows.cast(
         _rows.entropy(logits), _dtype(out_dtype, _rows.check_tensor("logits", logits))
     )
+
+
+def processed_selective_log_softmax(
+    logits: torch.Tensor,
+    index: torch.Tensor,
+    temperature: float = 1.0,
+    *,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    min_p: float | None = None,
+    row_mask: torch.Tensor | None = None,
+):
+    """The processed logprobs (temperature, then the exact min-p / top-k / top-p cut,
+    renormalised over the kept set) of `index` (...), one id per row, on full logits
+    (..., V); TRL's conventions: `top_k` 0 and `top_p` 1.0 mean no cut, `min_p` None.
+
+    Returns `ProcessedReplay(logprobs, loss_mask, num_dropped)` (fp32): an id outside the
+    kept set gives logprob 0 with a zero gradient and False in `loss_mask` (also False
+    where `row_mask == 0`, whose logprob is 0), never -inf or NaN; the count is logged."""
+    from .megatron import ProcessedReplay
+
+    _rows.check_positive_temperature(temperature)
+    _rows.check_tensor("logits", logits)
+    _rows.check_tensor("index", index)
+    if tuple(index.shape) != tuple(logits.shape[:-1]):
+        raise ValueError(
+            f"index shape {tuple(index.shape)} must be logits shape without its last "
+            f"dimension, {tuple(logits.shape[:-1])} (one id per row)"
+        )
+    keep = torch.ones(index.shape, dtype=torch.bool, device=index.device)
+    if row_mask is not None:
+        if tuple(row_mask.shape) != tuple(index.shape):
+            raise ValueError(
+                f"row_mask shape {tuple(row_mask.shape)} must equal index shape "
+                f"{tuple(index.shape)}"
+            )
+        keep = row_mask.to(device=index.device) != 0
+    ids = torch.where(keep, index.to(torch.int64), torch.full_like(index, -100, dtype=torch.int64))
+    res = sampling.processed_logprobs(
+        logits, ids, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p
+    )
+    kept = ~res.dropped
+    logprobs = torch.where(kept, res.logprobs, torch.zeros_like(res.logprobs))
+    _log_dropped(int(res.num_dropped), index.numel())
+    return ProcessedReplay(logprobs, kept & keep, res.num_dropped)
+
+
+def _log_dropped(dropped: int, total: int) -> None:
+    if dropped:
+        logger.warning(
+            "%d of %d target tokens lie outside the top-k / top-p / min-p kept set; they "
+            "are masked out of the loss",
+            dropped,
+            total,
+        )
 
 
 def _dtype(out_dtype, logits: torch.Tensor, index: torch.Tensor | None = None) -> torch.dtype:
@@ -257,6 +330,70 @@ def _fp64_chunked(hidden, weight, bias, targets, temperature, logit_scale, outpu
     )
 
 
+def processed_head_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    targets: torch.Tensor,
+    temperature: float,
+    *,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    min_p: float | None = None,
+    logit_scale: float = 1.0,
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """The fused head's processed logprobs: (log_probs, entropy or None, dropped), each (N,).
+
+    The cut needs the logits of a whole row, so the head computes them with
+    `exactlogp.linear_logits` (contract exactlogp-linear-v1) in blocks of rows and takes
+    `exactlogp.processed_logprobs` of each block at `temperature`; under autograd each
+    block is checkpointed (its logits recomputed in the backward), so one block's logits
+    are held at a time. With no cut the log_probs equal `chunked_logprobs`' bit for bit.
+    A target outside the kept set gives log_probs 0 with a zero gradient and dropped True;
+    -100 gives 0 (not dropped). `entropy` is the processed distribution's (kept set)."""
+    from torch.utils.checkpoint import checkpoint
+
+    _rows.check_positive_temperature(temperature)
+    if _compute_dtype(hidden) == torch.float64:
+        raise ValueError(
+            "processed logprobs need the contract's logits: fp64 hidden states are outside "
+            "it; run the model in bf16, fp16 or fp32"
+        )
+    with (
+        _no_autocast(hidden.device)
+        if torch.is_autocast_enabled(hidden.device.type)
+        else nullcontext()
+    ):
+        compute = _compute_dtype(hidden)
+        hidden = hidden.to(compute)
+        head = _head(weight, bias, compute)
+
+        def block(h, t):
+            z = linear_logits(h, head.weight, head.bias, logit_scale=logit_scale)
+            res = sampling.processed_logprobs(
+                z, t, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                with_entropy=with_entropy,
+            )  # fmt: skip
+            lp = torch.where(res.dropped, torch.zeros_like(res.logprobs), res.logprobs)
+            ent = res.entropy if with_entropy else lp.new_zeros(())
+            return lp, ent, res.dropped
+
+        grad = torch.is_grad_enabled() and any(
+            x is not None and x.requires_grad for x in (hidden, head.weight, head.bias)
+        )
+        parts = []
+        for lo in range(0, hidden.shape[0], _ROW_BLOCK):
+            h, t = hidden[lo : lo + _ROW_BLOCK], targets[lo : lo + _ROW_BLOCK]
+            parts.append(checkpoint(block, h, t, use_reentrant=False) if grad else block(h, t))
+    if not parts:
+        empty = hidden.new_zeros((0,), dtype=torch.float32)
+        return empty, (empty if with_entropy else None), empty.bool()
+    log_probs = torch.cat([p[0] for p in parts])
+    entropy = torch.cat([p[1] for p in parts]) if with_entropy else None
+    return log_probs, entropy, torch.cat([p[2] for p in parts])
+
+
 class ChunkedLogProbFunction:
     """Stands in for `trl.kernels.ChunkedLogProbFunction` (TRL calls `.apply(...)`)."""
 
@@ -335,18 +472,24 @@ def _fused_forward(model, backbone, text_config, args, kwargs, labels, shift_lab
     if cast_to_fp32:
         hidden = hidden.float()
         context = _no_autocast(hidden.device)
-    with context:
-        per_token = chunked_logprobs(
-            hidden.reshape(-1, hidden.shape[-1]),
-            head.weight,
-            head.bias,
-            labels.reshape(-1),  # -100 gives 0 and no gradient
-            temperature,
-            4096,
-            None,
-            logit_scale,
-            outputs,
+    replay = _REPLAY.get()
+    if replay is not None:
+        per_token = _processed_forward(
+            replay, hidden, head, labels, mask, temperature, logit_scale, outputs, context
         )
+    else:
+        with context:
+            per_token = chunked_logprobs(
+                hidden.reshape(-1, hidden.shape[-1]),
+                head.weight,
+                head.bias,
+                labels.reshape(-1),  # -100 gives 0 and no gradient
+                temperature,
+                4096,
+                None,
+                logit_scale,
+                outputs,
+            )
     log_probs, entropy, log_sum_sq, mean_logits, is_top1 = (
         None if x is None else x.view(mask.shape).masked_fill(~mask, 0) for x in per_token
     )
@@ -362,6 +505,24 @@ def _fused_forward(model, backbone, text_config, args, kwargs, labels, shift_lab
         loss=loss, log_probs=log_probs, entropy=entropy, log_sum_sq_probs=log_sum_sq,
         mean_logits=mean_logits, is_top1=is_top1, label_mask=mask, aux_loss=aux_loss,
     )  # fmt: skip
+
+
+def _processed_forward(replay, hidden, head, labels, mask, temperature, logit_scale,
+                       outputs, context):  # fmt: skip
+    extra = [name for name in outputs if name != "entropy"]
+    if extra:
+        raise ValueError(
+            f"outputs {extra} are not computed with processed logprobs (patch_trl("
+            "processed=True)); ask only for log_probs and entropy"
+        )
+    with context:
+        log_probs, entropy, dropped = processed_head_logprobs(
+            hidden.reshape(-1, hidden.shape[-1]), head.weight, head.bias, labels.reshape(-1),
+            temperature, top_k=replay.top_k, top_p=replay.top_p, min_p=replay.min_p,
+            logit_scale=logit_scale, with_entropy="entropy" in outputs,
+        )  # fmt: skip
+    replay.dropped.append(dropped.view(mask.shape) & mask)
+    return log_probs, entropy, None, None, None
 
 
 class _Head(types.SimpleNamespace):
@@ -481,11 +642,168 @@ def _router_aux_loss(model, text_config, states, attention_mask):
     return load_balancing_loss_func(states.router_logits, experts, per_token, attention_mask)
 
 
+# --- processed logprobs in GRPOTrainer ---
+
+
+class _Replay:
+    """The cut a scoring call replays, and the dropped targets of its fused forwards."""
+
+    def __init__(self, top_k, top_p, min_p):
+        self.top_k = sampling.check_top_k(top_k, _SCALAR)
+        self.top_p = sampling.check_top_p(top_p, _SCALAR)
+        self.min_p = sampling.check_min_p(min_p, _SCALAR)
+        self.dropped: list[torch.Tensor] = []  # per fused forward: labels' shape, bool
+
+
+_SCALAR = torch.zeros((), dtype=torch.int64)
+# Set while GRPOTrainer scores tokens under patch_trl(processed=True): the fused head reads it.
+_REPLAY: contextvars.ContextVar = contextvars.ContextVar("exactlogp_trl_replay", default=None)
+_PENDING = "_exactlogp_dropped"  # trainer attribute: the dropped masks of the scoring calls
+_SCORE = "_get_per_token_logps_and_entropies"
+
+
+def _score_processed(original):
+    """GRPOTrainer._get_per_token_logps_and_entropies, scoring under the trainer's cut."""
+
+    @functools.wraps(original)
+    def scored(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs):
+        replay = _Replay(self.top_k, self.top_p, self.min_p)
+        token = _REPLAY.set(replay)
+        try:
+            out = original(self, model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
+        finally:
+            _REPLAY.reset(token)
+        logps = out[0]
+        if replay.dropped:
+            dropped = torch.cat([d[:, -logits_to_keep:] for d in replay.dropped])
+            dropped = dropped.to(logps.device)
+        else:
+            dropped = torch.zeros(logps.shape, dtype=torch.bool, device=logps.device)
+        self.__dict__.setdefault(_PENDING, []).append(dropped)
+        return out
+
+    return scored
+
+
+def _take_dropped(trainer, shape, device) -> torch.Tensor:
+    pending = trainer.__dict__.pop(_PENDING, [])
+    dropped = torch.zeros(shape, dtype=torch.bool, device=device)
+    for d in pending:
+        dropped |= d.to(device)
+    return dropped
+
+
+def _mask_dropped(trainer, inputs: dict, dropped: torch.Tensor, what: str) -> dict:
+    """inputs with the dropped completion tokens out of the loss (`tool_mask`, which TRL's
+    loss multiplies into `completion_mask`), and the count logged."""
+    completion_mask = inputs["completion_mask"]
+    count = int((dropped & (completion_mask != 0)).sum())
+    mode = "train" if trainer.model.training else "eval"
+    trainer._metrics[mode][f"{DROPPED_METRIC}/{what}"].append(float(count))
+    if not count:
+        return inputs
+    logger.warning(
+        "%d of %d completion tokens lie outside the kept top-k / top-p / min-p set of the %s "
+        "logprobs; they are masked out of the loss",
+        count, int((completion_mask != 0).sum()), what,
+    )  # fmt: skip
+    base = inputs.get("tool_mask")
+    base = torch.ones_like(completion_mask) if base is None else base
+    return {**inputs, "tool_mask": base * (~dropped).to(base.dtype)}
+
+
+def _generate_processed(original):
+    """GRPOTrainer._generate_and_score_completions: old / reference tokens cut masked."""
+
+    @functools.wraps(original)
+    def generate(self, *args, **kwargs):
+        self.__dict__[_PENDING] = []
+        output = original(self, *args, **kwargs)
+        mask = output["completion_mask"]
+        dropped = _take_dropped(self, mask.shape, mask.device)
+        return _mask_dropped(self, output, dropped, "old_ref")
+
+    return generate
+
+
+class _Captured(Exception):
+    pass
+
+
+def _loss_processed(original):
+    """GRPOTrainer._compute_loss: the policy's tokens outside its kept set masked out.
+
+    TRL reads the loss mask before it scores the policy, so the scoring call is captured
+    first (TRL's own arguments), run, and its dropped tokens masked in `tool_mask`; then
+    TRL's loss runs on those inputs with that scoring result."""
+
+    @functools.wraps(original)
+    def compute_loss(self, model, inputs):
+        call = {}
+
+        def capture(*args, **kwargs):
+            call["args"] = (args, kwargs)
+            raise _Captured
+
+        with _instead(self, capture):
+            try:
+                return_value = original(self, model, inputs)
+            except _Captured:
+                pass
+            else:  # this TRL's loss did not score the policy: nothing to replay
+                return return_value
+        args, kwargs = call["args"]
+        self.__dict__[_PENDING] = []
+        scored = getattr(self, _SCORE)(*args, **kwargs)
+        mask = inputs["completion_mask"]
+        inputs = _mask_dropped(self, inputs, _take_dropped(self, mask.shape, mask.device), "policy")
+        with _instead(self, lambda *a, **k: scored):
+            return original(self, model, inputs)
+
+    return compute_loss
+
+
+class _instead:
+    """Set the trainer's scoring method (an instance attribute) for the block, then put
+    back what was there (the class's, or an instance attribute set by someone else)."""
+
+    _MISSING = object()
+
+    def __init__(self, trainer, fn):
+        self.trainer, self.fn = trainer, fn
+
+    def __enter__(self):
+        self.prior = self.trainer.__dict__.get(_SCORE, self._MISSING)
+        self.trainer.__dict__[_SCORE] = self.fn
+
+    def __exit__(self, *exc):
+        if self.prior is self._MISSING:
+            self.trainer.__dict__.pop(_SCORE, None)
+        else:
+            self.trainer.__dict__[_SCORE] = self.prior
+        return False
+
+
+_GRPO = "trl.trainer.grpo_trainer"
+
+
+def _processed_sites() -> list:
+    return [
+        _patching.Site(_GRPO, f"GRPOTrainer.{_SCORE}", _score_processed, wraps=True),
+        _patching.Site(
+            _GRPO, "GRPOTrainer._generate_and_score_completions", _generate_processed, wraps=True
+        ),
+        _patching.Site(_GRPO, "GRPOTrainer._compute_loss", _loss_processed, wraps=True),
+    ]
+
+
 # --- patching TRL ---
 
 
 @_patching.atomic
-def patch_trl(*, out_dtype: torch.dtype | None = None) -> _patching.PatchHandle:
+def patch_trl(
+    *, out_dtype: torch.dtype | None = None, processed: bool = False
+) -> _patching.PatchHandle:
     """Make TRL compute its log-probabilities and entropies with exactlogp.
 
     Replaces, in `trl.trainer.utils` and in every TRL module that bound them by name
@@ -496,9 +814,19 @@ def patch_trl(*, out_dtype: torch.dtype | None = None) -> _patching.PatchHandle:
     before this call; also `trl.kernels.ChunkedLogProbFunction`). TRL modules imported
     later copy the patched names. `out_dtype` applies to the full-logits functions.
 
+    `processed=True` also makes `GRPOTrainer` score the policy, old and reference logprobs
+    as processed logprobs under its `top_k` / `top_p` / `min_p` / `temperature` (the
+    module docstring): wrapped are `GRPOTrainer._get_per_token_logps_and_entropies`,
+    `_generate_and_score_completions` and `_compute_loss`. Tokens outside the kept set are
+    masked out of the loss and counted in the metrics `exactlogp/dropped_tokens/policy` and `/old_ref`.
+
     Opt-in and idempotent; undo with `unpatch_trl()` or `handle.undo()`. A TRL that moved
     one of these names raises ImportError / AttributeError naming it and changes nothing.
     """
+    if not isinstance(processed, bool):
+        raise TypeError(f"processed must be a bool, got {type(processed).__name__}")
+    if processed:  # imported first, so that its by-name copies are found and swapped too
+        importlib.import_module(_GRPO)
     full = _with_out_dtype(out_dtype)
     sites = [
         _patching.Site("trl.trainer.utils", name, fn, everywhere=True)
@@ -511,7 +839,11 @@ def patch_trl(*, out_dtype: torch.dtype | None = None) -> _patching.PatchHandle:
         )
     ]
     sites.append(_patching.Site("trl.trainer", "add_fused_lm_head", add_fused_lm_head))
-    return _patching.apply(PATCH_KEY, sites, {"out_dtype": out_dtype}, on_undo=_warn_left_behind)
+    options = {"out_dtype": out_dtype}
+    if processed:
+        sites.extend(_processed_sites())
+        options["processed"] = True
+    return _patching.apply(PATCH_KEY, sites, options, on_undo=_warn_left_behind)
 
 
 @_patching.atomic
