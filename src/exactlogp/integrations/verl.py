@@ -18,6 +18,15 @@ Fused kernels (`use_fused_kernels=True`), computed by `exactlogp.linear_selected
   Under autocast (the FSDP engine's bf16 mixed precision) they compute in autocast's
   dtype, as verl's own kernels do.
 
+Processed logprobs (rollouts sampled with top-k / top-p / min-p), opt-in:
+`processed_logprobs_from_logits` (FSDP) and `vocab_parallel_processed_log_probs`
+(Megatron) return `ProcessedReplay(logprobs, loss_mask, num_dropped)`: the log-softmax over
+the kept set of the exact cut (`exactlogp.processed_logprobs`, docs/numerics.md section 13),
+a target outside it 0 with a zero gradient, out of `loss_mask`, and counted.
+`patch_verl(top_k=..., top_p=..., min_p=...)` makes the patched log-prob functions return
+those processed logprobs (the cut's dropped targets 0 with a zero gradient; the count is
+logged and kept in `dropped_tokens()`).
+
 `patch_verl()` swaps all of them into verl. verl divides the logits by the temperature
 itself, in their dtype, before these functions see them. Output dtypes are verl's: the
 logits' dtype, except fp32 where verl's flash-attn / NPU cross-entropy would run and for
@@ -30,6 +39,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import logging
 import os
 import sys
 import warnings
@@ -38,10 +48,14 @@ from contextlib import nullcontext
 
 import torch
 
+from .. import sampling
 from ..api import LogprobResult, selected_logprobs
 from ..linear import linear_selected_logprobs
 from . import _patching, _rows
-from .megatron import resolve_tp_group
+from .megatron import ProcessedReplay, resolve_tp_group
+from .megatron import processed_logprobs as _megatron_processed
+
+logger = logging.getLogger(__name__)
 
 PATCH_KEY = "patch_verl"
 
@@ -163,6 +177,111 @@ def _run(logits, labels, tp_group, vocab_size, with_entropy: bool) -> LogprobRes
     )
 
 
+# --- processed logprobs: the exact top-k / top-p / min-p cut ---
+
+
+def processed_logprobs_from_logits(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    top_k: int | torch.Tensor | None = None,
+    top_p: float | torch.Tensor | None = None,
+    min_p: float | torch.Tensor | None = None,
+    loss_mask: torch.Tensor | None = None,
+) -> ProcessedReplay:
+    """FSDP engines: the processed logprobs of `labels` on full logits that verl has
+    already divided by the temperature (so the cut runs at temperature 1 on them):
+    temperature, then min-p, top-k, top-p, renormalised over the kept set. verl's
+    conventions: `top_k` -1 or 0 and `top_p` 1.0 are no cut. A label outside the kept set
+    gets logprob 0 with a zero gradient and False in `loss_mask`; the count is logged."""
+    _rows.check_tensor("logits", logits)
+    res = sampling.processed_logprobs(logits, labels, top_k=top_k, top_p=top_p, min_p=min_p)
+    kept = ~res.dropped
+    logprobs = torch.where(kept, res.logprobs, torch.zeros_like(res.logprobs))
+    _count_dropped(int(res.num_dropped), labels.numel())
+    mask = kept if loss_mask is None else kept & loss_mask.to(torch.bool)
+    return ProcessedReplay(logprobs, mask, res.num_dropped)
+
+
+def vocab_parallel_processed_log_probs(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    top_k: int | torch.Tensor | None = None,
+    top_p: float | torch.Tensor | None = None,
+    min_p: float | torch.Tensor | None = None,
+    tp_group=None,
+    vocab_size: int | None = None,
+    loss_mask: torch.Tensor | None = None,
+) -> ProcessedReplay:
+    """Megatron engine: `processed_logprobs_from_logits` on vocab-parallel logits in
+    Megatron's layout (the group and vocabulary range as for
+    `vocab_parallel_log_probs_from_logits`); the same bits at any TP degree."""
+    _rows.check_tensor("logits", logits)
+    out = _megatron_processed(
+        logits, labels, top_k=top_k, top_p=top_p, min_p=min_p, tp_group=tp_group,
+        vocab_size=vocab_size, loss_mask=loss_mask,
+    )  # fmt: skip
+    _count_dropped(int(out.num_dropped), 0, log=False)  # megatron's drop-in logged it
+    return out
+
+
+_DROPPED = {"tokens": 0}
+
+
+def dropped_tokens(reset: bool = False) -> int:
+    """Labels found outside the kept set by the processed functions in this process
+    (since the last reset)."""
+    n = _DROPPED["tokens"]
+    if reset:
+        _DROPPED["tokens"] = 0
+    return n
+
+
+def _count_dropped(dropped: int, total: int, log: bool = True) -> None:
+    _DROPPED["tokens"] += dropped
+    if dropped and log:
+        logger.warning(
+            "%d of %d labels lie outside the top-k / top-p / min-p kept set; their "
+            "logprob is 0 with a zero gradient",
+            dropped,
+            total,
+        )
+
+
+def _processed_functions(cut: dict, vocab_size) -> dict:
+    """The log-prob functions patch_verl installs when a cut is given: processed
+    logprobs, with verl's signatures and output dtypes."""
+
+    def logprobs_from_logits(logits, labels, inplace_backward=True, *, out_dtype=None):
+        del inplace_backward
+        out_dtype = _rows.check_out_dtype(out_dtype)
+        got = processed_logprobs_from_logits(logits, labels, **cut).logprobs
+        return _rows.cast(got, _dtype(out_dtype, logits, fused_ce=True))
+
+    def logprobs_from_logits_v2(logits, labels, *, out_dtype=None):
+        out_dtype = _rows.check_out_dtype(out_dtype)
+        got = processed_logprobs_from_logits(logits, labels, **cut).logprobs
+        return _rows.cast(got, _dtype(out_dtype, logits))
+
+    def vocab_parallel_log_probs_from_logits(logits, labels, *, tp_group=None):
+        return vocab_parallel_processed_log_probs(
+            logits, labels, tp_group=tp_group, vocab_size=vocab_size, **cut
+        ).logprobs
+
+    for fn, doc in (
+        (logprobs_from_logits, "verl's logprobs_from_logits, processed (patch_verl's cut)."),
+        (logprobs_from_logits_v2, "verl's logprobs_from_logits_v2, processed."),
+        (vocab_parallel_log_probs_from_logits, "the Megatron engine's log-probs, processed."),
+    ):
+        fn.__doc__ = doc
+    return {
+        "logprobs_from_logits": logprobs_from_logits,
+        "logprobs_from_logits_v2": logprobs_from_logits_v2,
+        "vocab_parallel_log_probs_from_logits": vocab_parallel_log_probs_from_logits,
+    }
+
+
 # --- fused kernels: hidden states and the LM-head weight ---
 
 
@@ -240,7 +359,13 @@ _ENGINES = (
 
 
 @_patching.atomic
-def patch_verl(*, vocab_size: int | None = None) -> _patching.PatchHandle:
+def patch_verl(
+    *,
+    vocab_size: int | None = None,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    min_p: float | None = None,
+) -> _patching.PatchHandle:
     """Make verl 0.9's engines compute log-probs and entropy with exactlogp.
 
     Replaces, in verl and in every verl module that bound them by name:
@@ -262,24 +387,46 @@ def patch_verl(*, vocab_size: int | None = None) -> _patching.PatchHandle:
 
     `vocab_size`: None or an int >= 1 (TypeError / ValueError otherwise).
 
+    `top_k` / `top_p` / `min_p` (opt-in; the rollout's `actor_rollout_ref.rollout`
+    settings): the log-prob functions above return processed logprobs under that cut
+    (`processed_logprobs_from_logits`); labels outside the kept set give 0 with a zero
+    gradient, are logged and counted in `dropped_tokens()`. The fused kernels
+    (`use_fused_kernels=True`) have no logits to cut: with a cut they raise ValueError.
+
     Opt-in and idempotent; undo with `unpatch_verl()` or `handle.undo()`.
     """
     vocab_size = _rows.check_vocab_size(vocab_size)
     megatron = _megatron_functions(vocab_size)
+    scalar = torch.zeros((), dtype=torch.int64)
+    cut = {
+        "top_k": sampling.check_top_k(top_k, scalar),
+        "top_p": sampling.check_top_p(top_p, scalar),
+        "min_p": sampling.check_min_p(min_p, scalar),
+    }
+    cut = {name: value for name, value in cut.items() if value is not None}
+    full = {"logprobs_from_logits": logprobs_from_logits,
+            "logprobs_from_logits_v2": logprobs_from_logits_v2}  # fmt: skip
+    fused, fused_ce = FusedLinearForPPO, linear_cross_entropy
+    if cut:
+        processed = _processed_functions(cut, vocab_size)
+        full = {name: processed[name] for name in full}
+        megatron["vocab_parallel_log_probs_from_logits"] = processed[
+            "vocab_parallel_log_probs_from_logits"
+        ]
+        fused, fused_ce = _refuse_fused(FusedLinearForPPO), _refuse_fused(linear_cross_entropy)
     sites = [
         _patching.Site("verl.utils.torch_functional", name, fn, everywhere=True)
         for name, fn in (
-            ("logprobs_from_logits", logprobs_from_logits),
-            ("logprobs_from_logits_v2", logprobs_from_logits_v2),
+            *full.items(),
             ("entropy_from_logits", entropy_from_logits),
             ("entropy_from_logits_with_chunking", entropy_from_logits_with_chunking),
         )
     ]
     sites += [
         _patching.Site("verl.utils.experimental.torch_functional", "FusedLinearForPPO",
-                       FusedLinearForPPO, everywhere=True),
+                       fused, everywhere=True),
         _patching.Site("verl.utils.kernel.linear_cross_entropy", "linear_cross_entropy",
-                       linear_cross_entropy, everywhere=True),
+                       fused_ce, everywhere=True),
     ]  # fmt: skip
     sites += [
         _patching.Site(
@@ -293,7 +440,33 @@ def patch_verl(*, vocab_size: int | None = None) -> _patching.PatchHandle:
         )
         for module, cls in _ENGINES
     ]
-    return _patching.apply(PATCH_KEY, sites, {"vocab_size": vocab_size}, on_undo=_warn_left_behind)
+    options = {"vocab_size": vocab_size, **{k: _option(v) for k, v in cut.items()}}
+    return _patching.apply(PATCH_KEY, sites, options, on_undo=_warn_left_behind)
+
+
+def _option(value):
+    return value if not isinstance(value, torch.Tensor) else value.tolist()
+
+
+def _refuse_fused(host):
+    message = (
+        "use_fused_kernels=True has no logits to cut: with patch_verl(top_k / top_p / min_p) "
+        "set use_fused_kernels=False (the engine then materialises the logits)"
+    )
+    if isinstance(host, type):
+
+        class Refused(host):
+            def forward(self, *args, **kwargs):
+                raise ValueError(message)
+
+        Refused.__name__ = Refused.__qualname__ = host.__name__
+        return Refused
+
+    @functools.wraps(host)
+    def refused(*args, **kwargs):
+        raise ValueError(message)
+
+    return refused
 
 
 @_patching.atomic
