@@ -20,6 +20,13 @@ Logprob methods, each run on both sides, for an LM head in bf16 and in fp32:
       vs a vLLM-style fp32 log_softmax of the rollout's logits;
   (d) TRL's selective_log_softmax on each side's full logits, when TRL imports.
 
+A second run samples with a top-k / top-p / min-p cut (default top-k 50, top-p 0.9,
+min-p 0.05): the rollout draws each token with `exactlogp.sample` (TP=1) on its exact
+logits (`exactlogp.linear_logits`) and records `exactlogp.processed_logprobs`; the trainer
+(TP=4) replays (p) `processed_logprobs` on its vocabulary shards, and, beside it, (u) the
+unnormalised replay TRL and verl do today: the log-softmax over the full vocabulary,
+whose logprob is log S lower (S: the mass the cut keeps).
+
 Two sources of mismatch are kept apart, token by token: the model body (outside this
 library) may already hand the two sides different hidden states -- Qwen3-Next decodes its
 linear-attention layers with the recurrent rule and prefills with the chunked one, and
@@ -29,11 +36,13 @@ every method on both groups of tokens.
 
     python examples/train_rollout_parity.py                 # the default run below
     python examples/train_rollout_parity.py --scored bf16,fp32   # score the fp32 body too
+    python examples/train_rollout_parity.py --top-k 0 --top-p 1 --min-p 0   # no cut run
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import textwrap
 import time
@@ -43,7 +52,13 @@ from dataclasses import dataclass, field, fields
 import torch
 import torch.nn.functional as F
 
-from exactlogp import linear_selected_logprobs, selected_logprobs
+from exactlogp import (
+    linear_logits,
+    linear_selected_logprobs,
+    processed_logprobs,
+    sample,
+    selected_logprobs,
+)
 from exactlogp.integrations.megatron import megatron_padded_vocab_size
 from exactlogp.report.candidates.base import ShardContext, Unavailable, real_attribute
 from exactlogp.report.candidates.megatron_ce import MegatronCE
@@ -58,6 +73,9 @@ BASELINE = "(c) Megatron CE TP4 / vLLM TP1"
 TRL = "(d) TRL selective_log_softmax"
 LOGITS = "    logits, own torch head"  # a row of the table, not a method
 METHODS = (EXACT, TORCH, BASELINE, TRL)
+PROCESSED = "(p) processed_logprobs TP4 / TP1"
+UNNORMALISED = "(u) unnormalised replay TP4"
+CUT_METHODS = (PROCESSED, UNNORMALISED)
 EQUAL, DIFFER = "equal", "differ"  # the two groups of tokens, by their LM-head input
 
 
@@ -78,6 +96,16 @@ class DemoConfig:
     bodies: tuple[str, ...] = ("bf16", "fp32")  # bodies whose hidden states are compared
     scored: tuple[str, ...] = ("bf16",)  # bodies whose logprobs are compared, every head
     heads: tuple[str, ...] = ("bf16", "fp32")  # LM-head dtypes
+    # the processed-logprobs run (the bf16 body, sampled from the body-dtype head):
+    top_k: int = 50
+    top_p: float = 0.9
+    min_p: float = 0.05
+
+    def cut(self) -> dict:
+        return {"top_k": self.top_k, "top_p": self.top_p, "min_p": self.min_p}
+
+    def has_cut(self) -> bool:
+        return self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0
 
     def lengths(self) -> list[int]:
         """Sampled tokens per sequence (a batch's requests differ in max_tokens; a model
@@ -93,6 +121,8 @@ class Stats:
     mean_ratio_dev: float  # mean |exp(lp_train - lp_rollout) - 1|; NaN for the logits row
     max_ratio_dev: float
     mean_k3: float  # k3 = r - 1 - log r, r = exp(lp_train - lp_rollout): KL(rollout||train)
+    mean_abs_diff: float = math.nan  # mean |lp_train - lp_rollout| = mean |log r|
+    dropped: int = 0  # trainer targets outside its kept set (left out of the figures above)
 
 
 @dataclass(frozen=True)
@@ -133,9 +163,11 @@ class DemoResult:
     vllm_impl: str  # what (c)'s rollout side ran
     trl: str | None  # why (d) did not run, None if it did
     seconds: float
+    cut_rows: list[Row] = field(default_factory=list)  # the processed run, CUT_METHODS
+    cut_hidden: HiddenAgreement | None = None
 
     def stats(self, body: str, head: str, method: str, group: str) -> Stats:
-        for r in self.rows:
+        for r in (*self.rows, *self.cut_rows):
             if (r.body, r.head, r.method, r.group) == (body, head, method, group):
                 return r.stats
         raise KeyError((body, head, method, group))
@@ -226,18 +258,44 @@ def cache_of(out):
 CACHE_ARG = None  # set on first use: transformers is imported lazily
 
 
+def processed_scorer(cut: dict):
+    """The processed run's rollout: (h, w, tokens) -> (exact logits, {PROCESSED: (A,)})."""
+
+    def score(hidden, weight, tokens):
+        logits = linear_logits(hidden, weight)  # exact: the same bits at any batch size
+        return logits, {PROCESSED: processed_logprobs(logits, tokens, **cut).logprobs}
+
+    return score
+
+
+def processed_sampler(cut: dict):
+    """The processed run's sampler: exactlogp.sample on the exact logits (TP=1)."""
+
+    def draw(hidden, weight, gen):
+        return sample(linear_logits(hidden, weight), generator=gen, **cut)
+
+    return draw
+
+
+def _multinomial(hidden, weight, gen):
+    probs = F.linear(hidden, weight).float().softmax(-1)
+    return torch.multinomial(probs, 1, generator=gen).squeeze(-1)
+
+
 @torch.no_grad()
-def rollout(model, prompts, lengths, weights: dict, score, gen) -> tuple[torch.Tensor, Side]:
-    """Decode with the cache, sampling from the body-dtype LM head; returns the sampled
-    tokens (T,) and the record, every value computed at its sampling step."""
+def rollout(
+    model, prompts, lengths, weights: dict, score, gen, draw=_multinomial, methods=METHODS
+) -> tuple[torch.Tensor, Side]:
+    """Decode with the cache, sampling from the body-dtype LM head (`draw`: multinomial on
+    the torch head's softmax, or exactlogp.sample); returns the sampled tokens (T,) and the
+    record, every value computed at its sampling step."""
     num_tokens, vocab = sum(lengths), model.lm_head.weight.shape[0]
     limit, row0 = torch.tensor(lengths), offsets_of(lengths)
     tokens = torch.empty(num_tokens, dtype=torch.int64)
     body_dtype = model.model.embed_tokens.weight.dtype  # the body's, whatever buffers it keeps
     side = Side(torch.empty(num_tokens, model.config.hidden_size, dtype=body_dtype))
-    for head, w in weights.items():
-        side.logits[head] = torch.empty(num_tokens, vocab, dtype=w.dtype)
-        for method in METHODS:
+    for head in weights:
+        for method in methods:
             side.logprobs[head, method] = torch.empty(num_tokens)
     global CACHE_ARG
     CACHE_ARG = CACHE_ARG or _cache_arg()
@@ -245,12 +303,13 @@ def rollout(model, prompts, lengths, weights: dict, score, gen) -> tuple[torch.T
     out = model.model(input_ids=prompts, use_cache=True)  # the prompt prefill
     for step in range(max(lengths)):
         h = out.last_hidden_state[:, -1]  # (A, H): what the LM head reads at this step
-        probs = F.linear(h, model.lm_head.weight).float().softmax(-1)
-        sampled = torch.multinomial(probs, 1, generator=gen).squeeze(-1)  # (A,)
+        sampled = draw(h, model.lm_head.weight, gen)  # (A,)
         rows = row0[active] + step
         tokens[rows], side.hidden[rows] = sampled, h
         for head, w in weights.items():
             logits, logprobs = score(h.to(w.dtype), w, sampled)
+            if head not in side.logits:  # the scorer's logits dtype (the exact head's: fp32)
+                side.logits[head] = logits.new_empty(num_tokens, vocab)
             side.logits[head][rows] = logits
             for method, lp in logprobs.items():
                 side.logprobs[head, method][rows] = lp
@@ -299,6 +358,14 @@ def _trainer_rank(rank, world_size, group, vocab, jobs):
         out = []
         for job in jobs:
             hidden, weight, target = job["hidden"], job["weight"][cols], job["target"]
+            if job.get("cut") is not None:  # the processed run: exact logits on the shard
+                z = linear_logits(hidden, weight)
+                shard = {"tp_group": group, "vocab_start": cols.start, "vocab_size": vocab}
+                res = processed_logprobs(z, target, **shard, **job["cut"])
+                plain = selected_logprobs(z, target, **shard).logprobs
+                out.append({"logits": z, PROCESSED: res.logprobs, "dropped": res.dropped,
+                            UNNORMALISED: plain})  # fmt: skip
+                continue
             logits = F.linear(hidden, weight)  # (T, width): ColumnParallelLinear's output
             out.append(
                 {
@@ -318,16 +385,28 @@ def _trainer_rank(rank, world_size, group, vocab, jobs):
         megatron.teardown()
 
 
-def trainer(cfg: DemoConfig, jobs: dict, vocab_padded: int) -> dict[str, Side]:
+def trainer(
+    cfg: DemoConfig, jobs: dict, vocab_padded: int, cut_jobs: dict | None = None
+) -> tuple[dict[str, Side], dict[str, Side]]:
     """jobs: (body, head) -> (hidden (T, H) in the body dtype, weight (V, H) in the head
-    dtype, targets (T,)). Runs one TP world for all of them; returns body -> record."""
+    dtype, targets (T,)); cut_jobs alike for the processed run. Runs one TP world for all
+    of them; returns (body -> record, body -> the processed run's record)."""
     payload = []
-    for (_, head), (hidden, weight, target) in jobs.items():
-        zeros = weight.new_zeros(vocab_padded - weight.shape[0], weight.shape[1])
-        padded = torch.cat([weight, zeros])  # zero rows, as a checkpoint converter pads
-        payload.append({"hidden": hidden.to(DTYPES[head]), "weight": padded, "target": target})
+    cut_jobs = cut_jobs or {}
+    for kind, group in ((None, jobs), (cfg.cut(), cut_jobs)):
+        for (_, head), (hidden, weight, target) in group.items():
+            zeros = weight.new_zeros(vocab_padded - weight.shape[0], weight.shape[1])
+            padded = torch.cat([weight, zeros])  # zero rows, as a checkpoint converter pads
+            payload.append({"hidden": hidden.to(DTYPES[head]), "weight": padded,
+                            "target": target, "cut": kind})  # fmt: skip
     ranks = run_gloo_world(cfg.tp, _trainer_rank, cfg.vocab, payload, timeout=1800)
     trl_logprobs, _ = trl_selective_log_softmax()
+    cut_sides = {}
+    for k, ((body, head), (hidden, _, _)) in enumerate(cut_jobs.items(), start=len(jobs)):
+        side = cut_sides.setdefault(body, Side(hidden))
+        side.logits[head] = torch.cat([r[k]["logits"] for r in ranks], dim=-1)[:, : cfg.vocab]
+        for method in (*CUT_METHODS, "dropped"):
+            side.logprobs[head, method] = ranks[0][k][method]
     sides = {}
     for k, ((body, head), (hidden, weight, target)) in enumerate(jobs.items()):
         side = sides.setdefault(body, Side(hidden))
@@ -337,7 +416,7 @@ def trainer(cfg: DemoConfig, jobs: dict, vocab_padded: int) -> dict[str, Side]:
         if trl_logprobs is not None:  # a TRL trainer: no TP, the full head at batch T
             full = F.linear(hidden.to(DTYPES[head]), weight)
             side.logprobs[head, TRL] = trl_logprobs(full, target).float()  # in the head dtype
-    return sides
+    return sides, cut_sides
 
 
 # --- comparison ---
@@ -353,7 +432,7 @@ def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def compare(train: torch.Tensor, rollout: torch.Tensor) -> Stats:
     n = train.shape[0]
     if n == 0:
-        return Stats(0, 0, *[math.nan] * 4)
+        return Stats(0, 0, *[math.nan] * 4, math.nan)
     d = train.double() - rollout.double()
     equal = int(bitwise_equal(train, rollout).sum())
     if train.dim() > 1:  # logits rows
@@ -361,7 +440,8 @@ def compare(train: torch.Tensor, rollout: torch.Tensor) -> Stats:
     ratio = d.exp()  # the importance ratio pi_train / pi_rollout of the sampled token
     k3 = ratio - 1 - d
     dev = (ratio - 1).abs()
-    return Stats(n, equal, float(d.abs().max()), float(dev.mean()), float(dev.max()), float(k3.mean()))  # fmt: skip
+    return Stats(n, equal, float(d.abs().max()), float(dev.mean()), float(dev.max()),
+                 float(k3.mean()), float(d.abs().mean()))  # fmt: skip
 
 
 def hidden_agreement(body, train: Side, roll: Side, lengths) -> HiddenAgreement:
@@ -388,6 +468,27 @@ def compare_sides(body, heads, train: Side, roll: Side) -> list[Row]:
     return rows
 
 
+def compare_cut(body, heads, train: Side, roll: Side) -> list[Row]:
+    """The processed run: (p) and (u) against the rollout's processed logprobs; the
+    trainer's dropped targets (logprob -inf under (p)) are counted and left out of (p)."""
+    rows = []
+    for head in heads:
+        same = bitwise_equal(train.hidden.to(DTYPES[head]), roll.hidden.to(DTYPES[head]))
+        dropped = train.logprobs[head, "dropped"]
+        for group, mask in ((EQUAL, same), (DIFFER, ~same)):
+            rollout_lp = roll.logprobs[head, PROCESSED]
+            for method in CUT_METHODS:
+                keep = mask & ~dropped if method == PROCESSED else mask
+                s = compare(train.logprobs[head, method][keep], rollout_lp[keep])
+                if method == PROCESSED:
+                    s = dataclasses.replace(s, dropped=int((mask & dropped).sum()))
+                rows.append(Row(body, head, method, group, s))
+            a, b = train.logits[head], roll.logits[head]
+            rows.append(Row(body, head, LOGITS.replace("own torch head", "exact"), group,
+                            compare(a[mask], b[mask])))  # fmt: skip
+    return rows
+
+
 # --- the run ---
 
 
@@ -399,6 +500,7 @@ def run(cfg: DemoConfig) -> DemoResult:
     lengths = cfg.lengths()
     score, vllm_impl, trl_missing = rollout_scorers(cfg.vocab)
     hidden, jobs, rollouts = {}, {}, {}
+    cut_jobs, cut_roll, cut_agreement = {}, None, None
     for body in dict.fromkeys((*cfg.bodies, *cfg.scored)):
         model = build_model(cfg, DTYPES[body])
         w = model.lm_head.weight.detach()
@@ -411,15 +513,29 @@ def run(cfg: DemoConfig) -> DemoResult:
         rollouts[body] = roll
         for head, weight in weights.items():
             jobs[body, head] = (train_hidden, weight, tokens)
+        if body == cfg.scored[0] and cfg.has_cut() and body in cfg.heads:
+            # the processed run on this body and its own head dtype: sampled and scored on it
+            gen = torch.Generator().manual_seed(cfg.seed + 3)
+            cut_weights = {body: weights[body]}
+            cut_roll_tokens, cut_roll = rollout(
+                model, prompts, lengths, cut_weights, processed_scorer(cfg.cut()), gen,
+                draw=processed_sampler(cfg.cut()), methods=(PROCESSED,),
+            )  # fmt: skip
+            cut_hidden = prefill(model, prompts, cut_roll_tokens, lengths)
+            cut_agreement = hidden_agreement(body, Side(cut_hidden), cut_roll, lengths)
+            cut_jobs = {(body, body): (cut_hidden, weights[body], cut_roll_tokens)}
         del model
     padded = megatron_padded_vocab_size(cfg.vocab, cfg.tp)
-    sides = trainer(cfg, jobs, padded) if jobs else {}
+    sides, cut_sides = trainer(cfg, jobs, padded, cut_jobs) if jobs else ({}, {})
     rows = []
     for body in cfg.scored:
         rows += compare_sides(body, cfg.heads, sides[body], rollouts[body])
+    cut_rows = []
+    for body, side in cut_sides.items():
+        cut_rows += compare_cut(body, (body,), side, cut_roll)
     return DemoResult(
         cfg, sum(lengths), padded, hidden, rows, vllm_impl, trl_missing,
-        time.perf_counter() - start,
+        time.perf_counter() - start, cut_rows, cut_agreement if cut_jobs else None,
     )  # fmt: skip
 
 
@@ -468,9 +584,79 @@ def format_report(res: DemoResult) -> str:
         _table(res.rows),
         "",
         _wrap(_verdict(res)),
+        *_cut_report(res),
         f"wall time {res.seconds:.0f} s",
     ]
     return "\n".join(lines)
+
+
+def _cut_report(res: DemoResult) -> list[str]:
+    cfg, a = res.config, res.cut_hidden
+    if a is None:
+        return []
+    rows = [r for r in res.cut_rows if r.stats.tokens or r.stats.dropped]
+    lines = [
+        "",
+        _wrap(
+            f"Processed logprobs: a second rollout of the {a.body} body samples with "
+            f"exactlogp.sample (TP=1, temperature 1, top-k {cfg.top_k}, top-p {cfg.top_p}, "
+            f"min-p {cfg.min_p}) from its {a.body} exact head and records "
+            "exactlogp.processed_logprobs; the trainer (TP=4) replays (p) processed_logprobs "
+            "on its shards and (u) the log-softmax over the full vocabulary (TRL's and verl's "
+            "replay today). |log r| = |lp_train - lp_rollout|; dropped: the trainer's "
+            "target outside its kept set (left out of (p)'s figures)."
+        ),
+        f"  hidden states bitwise equal: {a.equal}/{a.tokens} tokens",
+        _cut_table(rows),
+        "",
+        _wrap(_cut_verdict(res)),
+    ]
+    return lines
+
+
+def _cut_table(rows: list[Row]) -> str:
+    width = max(len(m) for m in (*CUT_METHODS, LOGITS))
+    out = [
+        f"{'head':<4} {'method':<{width}} {'hidden':<6} {'bitwise equal':>13} "
+        f"{'mean |log r|':>12} {'max |log r|':>11} {'max |r-1|':>10} {'dropped':>7}"
+    ]
+    for r in rows:
+        s = r.stats
+        nums = [_num(x) for x in (s.mean_abs_diff, s.max_abs_diff, s.max_ratio_dev)]
+        if r.method.strip().startswith("logits"):
+            nums[0] = "-"
+        dropped = str(s.dropped) if r.method == PROCESSED else "-"
+        out.append(
+            f"{r.head:<4} {r.method:<{width}} {r.group:<6} {f'{s.equal}/{s.tokens}':>13} "
+            f"{nums[0]:>12} {nums[1]:>11} {nums[2]:>10} {dropped:>7}"
+        )
+    return "\n".join(out)
+
+
+def processed_holds(res: DemoResult) -> bool:
+    """(p) is bitwise equal, r exactly 1 and nothing dropped on every token whose hidden
+    states are equal (and there are such tokens)."""
+    equal = [r for r in res.cut_rows if r.method == PROCESSED and r.group == EQUAL]
+    return bool(equal) and all(
+        r.stats.tokens > 0 and r.stats.equal == r.stats.tokens and r.stats.dropped == 0
+        and r.stats.max_ratio_dev == 0.0
+        for r in equal
+    )  # fmt: skip
+
+
+def _cut_verdict(res: DemoResult) -> str:
+    equal = [r for r in res.cut_rows if r.method == PROCESSED and r.group == EQUAL]
+    if not any(r.stats.tokens for r in equal):
+        return "No token of the processed run has the same hidden states on both sides."
+    if not processed_holds(res):
+        return "(p) DIFFERS on tokens whose hidden states are bitwise equal: a bug."
+    bias = [r for r in res.cut_rows if r.method == UNNORMALISED and r.group == EQUAL]
+    return (
+        f"On every token whose hidden states are bitwise equal ({equal[0].stats.tokens}), "
+        "(p) trainer TP4 and rollout TP1 give the same processed logprob bits: r = 1 "
+        "exactly. The unnormalised replay (u) is off by log S there: mean |log r| "
+        f"{_num(bias[0].stats.mean_abs_diff)}, max {_num(bias[0].stats.max_abs_diff)}."
+    )
 
 
 def _wrap(text: str) -> str:

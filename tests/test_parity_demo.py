@@ -4,7 +4,8 @@ each check can fail.
 The small run: 6 prompts x 4 tokens, decoding 4, 3, 2, 1, 1, 1 tokens (batch 6 -> 1), a
 2-layer Qwen3-Next model (hidden 256) with a 5000-token vocabulary (the LM head's cost grows with it, the
 claims do not), bf16 body, LM head in bf16 and fp32; the trainer is a real gloo TP=4
-world with megatron-core.
+world with megatron-core. The same run has the processed-logprobs part (a second rollout
+sampled by exactlogp.sample at top-k 50 / top-p 0.9 / min-p 0.05, replayed at TP=4).
 """
 
 from __future__ import annotations
@@ -156,3 +157,39 @@ def test_trl_present_is_scored_on_the_rollout(demo, monkeypatch):
     tokens = torch.tensor([0, 17, 4999])
     logits, out = score(hidden, weight, tokens)
     assert torch.equal(out[demo.TRL], selective_log_softmax(logits, tokens))
+
+
+def test_processed_run_is_bitwise_on_equal_hidden_states(demo, result):
+    assert result.cut_hidden is not None and result.cut_hidden.tokens == result.num_tokens
+    p = result.stats("bf16", "bf16", demo.PROCESSED, demo.EQUAL)
+    assert p.tokens == result.cut_hidden.equal > 0
+    assert p.equal == p.tokens and p.dropped == 0
+    assert p.max_abs_diff == 0.0 and p.max_ratio_dev == 0.0  # r = 1 exactly
+    logits = result.stats(
+        "bf16", "bf16", demo.LOGITS.replace("own torch head", "exact"), demo.EQUAL
+    )
+    assert logits.equal == logits.tokens == p.tokens
+    assert demo.processed_holds(result)
+    text = demo.format_report(result)
+    assert "top-k 50, top-p 0.9, min-p 0.05" in text and "r = 1" in text
+
+
+def test_unnormalised_replay_shows_the_log_s_bias(demo, result):
+    # the full-vocabulary log-softmax is log S lower than the processed logprob: on every
+    # token with equal hidden states it differs, and |log r| > 0 (S < 1 once the cut bites)
+    u = result.stats("bf16", "bf16", demo.UNNORMALISED, demo.EQUAL)
+    assert u.tokens > 0 and u.equal == 0
+    assert 0.0 < u.mean_abs_diff <= u.max_abs_diff
+    assert f"mean |log r| {u.mean_abs_diff:.3g}" in demo.format_report(result)
+
+
+def test_the_processed_check_fails_if_the_trainer_replays_unnormalised(demo, result):
+    def swap(row):
+        if row.method != demo.PROCESSED:
+            return row
+        other = result.stats(row.body, row.head, demo.UNNORMALISED, row.group)
+        return dataclasses.replace(row, stats=other)
+
+    swapped = dataclasses.replace(result, cut_rows=[swap(r) for r in result.cut_rows])
+    assert not demo.processed_holds(swapped)
+    assert "(p) DIFFERS" in demo.format_report(swapped)
