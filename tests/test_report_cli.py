@@ -141,3 +141,17 @@ def test_python_dash_m_shows_help():
         [sys.executable, "-m", "exactlogp", "report", "--help"], capture_output=True, text=True
     )
     assert out.returncode == 0 and "--preset" in out.stdout
+
+
+def test_quick_preset_has_the_processed_logprobs_table(quick_report):
+    _, out, report = quick_report
+    p = report["processed"]
+    assert (p["tokens"], p["vocab"], p["tp"]) == (48, 2048, 2)
+    ours = p["rows"]["exactlogp"]
+    assert ours["cut_tp_equals_tp1"] is True and ours["logprobs_tp_equals_tp1"] is True
+    assert ours["batch_bitwise"] is True and ours["distinct_results_in_repeats"] == 1
+    assert ours["rows_cut_differs_from_truth"] == 0 and ours["dropped_targets"] == 0
+    assert p["rows"]["vllm_topk_topp"]["cut_tp_equals_tp1"] is True  # gathered rows
+    trl = p["rows"]["trl_unnormalised"]
+    assert trl["mean_abs_log_ratio_vs_fp64"] > 100 * ours["mean_abs_log_ratio_vs_fp64"]
+    assert "## Processed logprobs: 48 x 2048 bf16" in out.with_suffix(".md").read_text()

@@ -89,6 +89,13 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"intra-op threads per rank (default {d.threads_per_rank})",
     )
     opt("--seed", type=int, help=f"workload seed (default {d.seed})")
+    opt(
+        "--processed-tokens",
+        type=int,
+        dest="processed_tokens",
+        help="rows of the processed-logprobs (top-k / top-p / min-p) table; 0 leaves it out "
+        f"(default {d.processed_tokens})",
+    )
     bench = sub.add_parser("bench", help="CPU benchmarks (exactlogp.bench.cpu)", add_help=False)
     bench.add_argument("args", nargs=argparse.REMAINDER)
     return parser

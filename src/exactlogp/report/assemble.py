@@ -67,6 +67,8 @@ def assemble(s: Session) -> dict:
     }
     if "hidden_states" in s.data:
         report["hidden_states"] = _hidden_states(s.data["hidden_states"])
+    if s.processed is not None:
+        report["processed"] = s.processed
     schema.validate(report)
     return report
 
@@ -165,4 +167,9 @@ def _method(s: Session) -> dict:
 
 def exit_status(report: dict) -> int:
     """1 if exactlogp failed any invariance (or could not be measured), else 0."""
-    return 1 if checks.exactlogp_failures(report["candidates"]) else 0
+    from .processed import failures
+
+    bad = checks.exactlogp_failures(report["candidates"])
+    if "processed" in report:
+        bad = [*bad, *failures(report["processed"])]
+    return 1 if bad else 0

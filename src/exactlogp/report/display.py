@@ -169,7 +169,89 @@ def markdown(report: dict, plot: str | None = None) -> str:
     lines += ["", *findings(report), "", *_notes(report)]
     if "hidden_states" in workloads(report):
         lines += ["", *_hidden_section(report, plot)]
+    if "processed" in report:
+        lines += ["", *_processed_section(report["processed"])]
     return "\n".join(lines) + "\n"
+
+
+def processed_columns(processed: dict) -> list[str]:
+    tp = processed["tp"]
+    return [
+        "row",
+        "implementation",
+        f"cut TP{tp} == TP1",
+        f"logprobs TP{tp} == TP1",
+        "batch",
+        "distinct",
+        "rows cut != fp64 cut",
+        "dropped targets",
+        "max abs vs fp64",
+        "max ulp vs fp64",
+        "mean abs vs fp64",
+    ]
+
+
+def processed_rows(processed: dict) -> list[list[str]]:
+    width = len(processed_columns(processed))
+    out = []
+    for name, e in processed["rows"].items():
+        if "unavailable" in e:
+            out.append([name, "unavailable: " + e["unavailable"]] + [""] * (width - 2))
+            continue
+        out.append(
+            [
+                name,
+                e["implementation"],
+                _mark(e["cut_tp_equals_tp1"]),
+                _mark(e["logprobs_tp_equals_tp1"]),
+                _mark(e["batch_bitwise"]),
+                str(e["distinct_results_in_repeats"]),
+                f"{e['rows_cut_differs_from_truth']}/{processed['tokens']}",
+                str(e["dropped_targets"]),
+                _fmt(e["max_abs_vs_fp64"], ".3g"),
+                _fmt(e["max_ulp_vs_fp64"], ".3g"),
+                _fmt(e["mean_abs_log_ratio_vs_fp64"], ".3g"),
+            ]
+        )
+    return out
+
+
+def _processed_title(p: dict) -> str:
+    return (
+        f"Processed logprobs: {p['tokens']} x {p['vocab']} {p['dtype']}, temperature "
+        f"{p['temperature']}, min-p {p['min_p']}, top-k {p['top_k']}, top-p {p['top_p']}, "
+        f"TP {p['tp']} vs 1 (gloo)"
+    )
+
+
+def processed_table(processed: dict) -> Table:
+    t = Table(title=escape(_processed_title(processed)))
+    for col in processed_columns(processed):
+        t.add_column(col)
+    for row in processed_rows(processed):
+        t.add_row(*(escape(cell) for cell in row))
+    return t
+
+
+def _processed_section(p: dict) -> list[str]:
+    cols = processed_columns(p)
+    return [
+        f"## {_processed_title(p)}",
+        "",
+        "| " + " | ".join(cols) + " |",
+        "|" + "---|" * len(cols),
+        *("| " + " | ".join(r) + " |" for r in processed_rows(p)),
+        "",
+        f"- truth: {p['truth']}; targets drawn from it (seeded); the cut bites on "
+        f"{p['rows_in_workload_cut_by_truth']} of {p['tokens']} rows.",
+        "- cut / logprobs TP == TP1: the kept set and the logprobs at TP "
+        f"{p['tp']} (vocabulary shards) bit for bit against TP 1; batch: each of the "
+        f"{p['check_rows']} check rows alone against the batch; distinct: different "
+        f"outputs over {p['repeats']} repeats; rows cut != fp64 cut: rows whose kept set "
+        "differs from the fp64 truth's; dropped targets: targets outside the row's own "
+        "kept set (logprob -inf, left out of the errors); mean abs vs fp64: the mean "
+        "|log r| against the truth, which for the unnormalised replay is its log S bias.",
+    ]
 
 
 def _hidden_section(report: dict, plot: str | None) -> list[str]:
@@ -263,4 +345,6 @@ def print_summary(console: Console, report: dict, paths: list[str]) -> None:
         console.width = max(console.width, 180)  # a file or pipe gets the whole table
     for workload in workloads(report):
         console.print(table(report, workload))
+    if "processed" in report:
+        console.print(processed_table(report["processed"]))
     console.print(f"wrote {', '.join(paths)} in {report['wall_s']:.0f} s")

@@ -11,7 +11,9 @@
    times the candidates that passed, interleaved: every candidate once per round, the
    order shuffled per round (under torchrun: the torchrun world, see torchrun.py)
 4. on NCCL, a fresh world per NCCL setting for the setting check
-5. verdicts (checks.py), header, JSON validated against schema.py (assemble.py)
+5. the processed-logprobs table (processed.py): its own seeded logits, a gloo world at
+   the largest TP degree
+6. verdicts (checks.py), header, JSON validated against schema.py (assemble.py)
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from . import checks, emulation
+from . import checks, emulation, processed
 from .assemble import assemble, exit_status
 from .job import run_candidates
 from .session import Session
@@ -74,6 +76,10 @@ class ReportOptions:
     # (non-algorithmic) differences to every float-summing candidate.
     threads_per_rank: int = 1
     seed: int = 0
+    # The processed-logprobs table (temperature 0.8, top-k 50, top-p 0.9, min-p 0.05) on
+    # its own processed_tokens x vocab logits; 0 leaves it out. Fewer rows than the
+    # logits workload: its fp64 truth sorts every row in fp64.
+    processed_tokens: int = 256
     preset: str | None = None
     command: str = field(default_factory=lambda: shlex.join(["exactlogp", *sys.argv[1:]]))
 
@@ -92,6 +98,7 @@ PRESETS = {
         repeats=10,
         check_rows=12,
         hidden_check_rows=12,
+        processed_tokens=48,
         timeout_s=300.0,
         candidates=(
             "exactlogp",
@@ -156,8 +163,21 @@ def run(opts: ReportOptions, display=None) -> tuple[dict | None, int]:
             s.settings = emulation.nccl_settings()
             for tp in (t for t in tps if t > 1):
                 _nccl_settings(s, tp, display)
+    if opts.processed_tokens:
+        s.processed = _processed(opts, max(tps), display)
     report = assemble(s)
     return report, exit_status(report)
+
+
+def _processed(opts: ReportOptions, tp: int, display) -> dict:
+    task = display.start("processed logprobs (CPU, gloo)", 1)
+    result = processed.measure(
+        opts.processed_tokens, opts.vocab, opts.dtype, tp, opts.repeats, opts.check_rows,
+        opts.seed,
+    )  # fmt: skip
+    bad = processed.failures(result)
+    display.finish(task, "; ".join(bad) if bad else "done")
+    return result
 
 
 def resolve_device(device: str) -> torch.device:
@@ -180,6 +200,10 @@ def _check_options(opts: ReportOptions) -> None:
         value = getattr(opts, name)
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if not isinstance(opts.processed_tokens, int) or opts.processed_tokens < 0:
+        raise ValueError(
+            f"processed_tokens must be an int >= 0 (0: no table), got {opts.processed_tokens!r}"
+        )
     if not opts.tp or any(not isinstance(t, int) or t < 1 for t in opts.tp):
         raise ValueError(f"tp must be positive ints, got {opts.tp!r}")
     from .workload import DTYPES

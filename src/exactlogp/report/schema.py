@@ -141,6 +141,58 @@ SETTING = {
     "additionalProperties": OPT_STR,
 }
 
+PROCESSED_ROW = {
+    "type": "object",
+    "required": [
+        "implementation",
+        "cut_tp_equals_tp1",
+        "logprobs_tp_equals_tp1",
+        "batch_bitwise",
+        "distinct_results_in_repeats",
+        "rows_cut_differs_from_truth",
+        "dropped_targets",
+        "max_abs_vs_fp64",
+        "max_ulp_vs_fp64",
+        "mean_abs_log_ratio_vs_fp64",
+    ],
+    "properties": {
+        "implementation": STR,
+        "cut_tp_equals_tp1": OPT_BOOL,
+        "logprobs_tp_equals_tp1": OPT_BOOL,
+        "batch_bitwise": {"type": "boolean"},
+        "distinct_results_in_repeats": {"type": "integer", "minimum": 1},
+        "rows_cut_differs_from_truth": INT,
+        "dropped_targets": INT,
+        "max_abs_vs_fp64": OPT_NUM,
+        "max_ulp_vs_fp64": OPT_NUM,
+        "mean_abs_log_ratio_vs_fp64": OPT_NUM,
+    },
+    "additionalProperties": False,
+}
+
+PROCESSED = {  # report/processed.py
+    "type": "object",
+    "required": ["tokens", "vocab", "dtype", "temperature", "top_k", "top_p", "min_p", "tp",
+                 "check_rows", "repeats", "truth", "rows_in_workload_cut_by_truth", "rows"],
+    "properties": {
+        "tokens": {"type": "integer", "minimum": 1},
+        "vocab": {"type": "integer", "minimum": 1},
+        "tp": {"type": "integer", "minimum": 1},
+        "truth": STR,
+        "rows": {
+            "type": "object",
+            "minProperties": 1,
+            "additionalProperties": {
+                "oneOf": [
+                    PROCESSED_ROW,
+                    {"type": "object", "required": ["unavailable"],
+                     "properties": {"unavailable": STR}, "additionalProperties": False},
+                ]
+            },
+        },
+    },
+}  # fmt: skip
+
 REPORT = {
     "$schema": "https://json-schema.org/draft/2020-12/schema",
     "title": "exactlogp conformance report",
@@ -220,6 +272,7 @@ REPORT = {
         "reference": {"type": "object", "required": ["name", "method"]},
         "method": {"type": "object"},
         "hidden_states": HIDDEN_STATES,  # present when a row takes the hidden-state workload
+        "processed": PROCESSED,  # the processed-logprobs table, unless it was left out
         "candidates": {
             "type": "object",
             "minProperties": 1,

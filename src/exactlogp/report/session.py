@@ -38,6 +38,7 @@ class Session:
     settings: list = field(default_factory=list)  # emulation.Setting, every one used
     kinds: dict = field(default_factory=dict)  # name -> the workload it takes
     data: dict = field(default_factory=dict)  # workload kind -> Prepared
+    processed: dict | None = None  # the processed-logprobs table (processed.py)
 
     def choose_rows(self) -> None:
         """Report rows from the requested names; those that cannot even be created are
