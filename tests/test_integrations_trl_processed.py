@@ -2,8 +2,9 @@
 
 The trainer's policy, old and reference logprobs must be, bit for bit, exactlogp's
 `processed_logprobs` of the logits `linear_logits` gives for the hidden states its fused
-head saw, under the trainer's temperature / top-k / top-p / min-p; tokens outside the
-trainer's kept set must be 0 there, out of the loss mask, and counted. The rollout here
+head saw (in bf16: the trainer runs under bf16 autocast), under the trainer's temperature /
+top-k / top-p / min-p; tokens outside the trainer's kept set must be 0 there, out of the
+loss mask, and counted. The rollout here
 samples with no cut while the trainer replays top-k 200 / top-p 0.5 / min-p 0.05 (a tiny
 model's near-uniform rows), so targets outside the kept set are certain.
 """
@@ -95,7 +96,7 @@ def test_grpo_trainer_replays_processed_logprobs(tmp_path, patched_processed):
         output_dir=str(tmp_path / "out"), max_steps=1, per_device_train_batch_size=4,
         num_generations=2, max_completion_length=4, beta=0.1, num_iterations=2,
         temperature=TEMPERATURE, learning_rate=0.05, use_cpu=True, report_to=[],
-        save_strategy="no", disable_tqdm=True, logging_steps=1, seed=0,
+        save_strategy="no", disable_tqdm=True, logging_steps=1, seed=0, bf16=True,
         top_entropy_quantile=0.99,  # TRL then hands its loss mask to get_high_entropy_mask
     )  # fmt: skip
     trainer = GRPOTrainer(
@@ -116,6 +117,7 @@ def test_grpo_trainer_replays_processed_logprobs(tmp_path, patched_processed):
 
         def pre(module, args, kwargs):
             if kwargs.get("fused_lm_head"):
+                assert torch.is_autocast_enabled("cpu")
                 seen.append({"kind": kind, "labels": kwargs["labels"].clone()})
 
         model.register_forward_pre_hook(pre, with_kwargs=True)
@@ -148,7 +150,8 @@ def test_grpo_trainer_replays_processed_logprobs(tmp_path, patched_processed):
         expected, dropped = [], []
         for f in forwards:
             hidden, labels = f["hidden"][:, :-1], f["labels"][:, 1:]
-            z = exactlogp.linear_logits(hidden, f["weight"])
+            # under the trainer's bf16 autocast the head computes in bf16
+            z = exactlogp.linear_logits(hidden.bfloat16(), f["weight"].bfloat16())
             exact = exactlogp.processed_logprobs(z, labels, temperature=TEMPERATURE, **LOOP_CUT)
             expected.append(exact.logprobs.masked_fill(exact.dropped, 0)[:, -keep:])
             dropped.append(exact.dropped[:, -keep:])
@@ -165,3 +168,19 @@ def test_grpo_trainer_replays_processed_logprobs(tmp_path, patched_processed):
     assert metrics["exactlogp/dropped_tokens/policy"] > 0
     assert metrics["exactlogp/dropped_tokens/old_ref"] > 0
     assert math.isfinite(metrics["loss"])
+
+
+def test_processed_head_under_autocast_computes_in_its_dtype_across_row_blocks():
+    torch.manual_seed(2)
+    rows = trl._ROW_BLOCK + 37  # two blocks
+    hidden = torch.randn(rows, 16, requires_grad=True)
+    weight = torch.randn(60, 16, requires_grad=True)
+    targets = torch.randint(0, 60, (rows,))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        lp, _, dropped = trl.processed_head_logprobs(hidden, weight, None, targets, 0.7, **CUT)
+    z = exactlogp.linear_logits(hidden.detach().bfloat16(), weight.detach().bfloat16())
+    exact = exactlogp.processed_logprobs(z, targets, temperature=0.7, **CUT)
+    assert torch.equal(dropped, exact.dropped) and 0 < int(dropped.sum()) < rows
+    assert torch.equal(lp.detach(), exact.logprobs.masked_fill(exact.dropped, 0))
+    lp.sum().backward()  # the checkpointed blocks recompute in bf16 too
+    assert bool(hidden.grad.isfinite().all()) and bool((hidden.grad[dropped] == 0).all())

@@ -355,7 +355,8 @@ def processed_head_logprobs(
     from torch.utils.checkpoint import checkpoint
 
     _rows.check_positive_temperature(temperature)
-    if _compute_dtype(hidden) == torch.float64:
+    compute = _compute_dtype(hidden)  # autocast's dtype, read before autocast is turned off
+    if compute == torch.float64:
         raise ValueError(
             "processed logprobs need the contract's logits: fp64 hidden states are outside "
             "it; run the model in bf16, fp16 or fp32"
@@ -365,7 +366,6 @@ def processed_head_logprobs(
         if torch.is_autocast_enabled(hidden.device.type)
         else nullcontext()
     ):
-        compute = _compute_dtype(hidden)
         hidden = hidden.to(compute)
         head = _head(weight, bias, compute)
 
