@@ -250,7 +250,8 @@ def _processed_section(p: dict) -> list[str]:
         f"outputs over {p['repeats']} repeats; rows cut != fp64 cut: rows whose kept set "
         "differs from the fp64 truth's; dropped targets: targets outside the row's own "
         "kept set (logprob -inf, left out of the errors); mean abs vs fp64: the mean "
-        "|log r| against the truth, which for the unnormalised replay is its log S bias.",
+        "|log r| against the truth: for the unnormalised replay its log S bias (plus, for a "
+        "bf16 row on CPU, TRL's bf16 rounding).",
     ]
 
 
