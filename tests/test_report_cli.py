@@ -151,7 +151,12 @@ def test_quick_preset_has_the_processed_logprobs_table(quick_report):
     assert ours["cut_tp_equals_tp1"] is True and ours["logprobs_tp_equals_tp1"] is True
     assert ours["batch_bitwise"] is True and ours["distinct_results_in_repeats"] == 1
     assert ours["rows_cut_differs_from_truth"] == 0 and ours["dropped_targets"] == 0
-    assert p["rows"]["vllm_topk_topp"]["cut_tp_equals_tp1"] is True  # gathered rows
+    vllm = p["rows"]["vllm_topk_topp"]
+    if vllm["implementation"].startswith("vLLM's own"):  # make setup's vLLM 0.34, at TP 1
+        assert vllm["cut_tp_equals_tp1"] is None
+    else:  # the re-implementation gathers the rows in the TP world
+        assert vllm["cut_tp_equals_tp1"] is True
+    assert vllm["batch_bitwise"] is True and vllm["distinct_results_in_repeats"] == 1
     trl = p["rows"]["trl_unnormalised"]
     assert trl["mean_abs_log_ratio_vs_fp64"] > 100 * ours["mean_abs_log_ratio_vs_fp64"]
     assert "## Processed logprobs: 48 x 2048 bf16" in out.with_suffix(".md").read_text()

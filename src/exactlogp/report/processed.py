@@ -4,12 +4,16 @@ rows on the same seeded logits:
 
   exactlogp          `exactlogp.processed_logprobs`, the exact cut of docs/numerics.md
                      section 13 (radix select over the shards; TP ranks each hold a shard)
-  vllm_topk_topp     vLLM's float cut: vLLM's own `apply_top_k_top_p` when vLLM imports,
-                     else a torch re-implementation of vLLM 0.34's (named so): min-p as
-                     `y >= max + log(min_p)` in fp32, top-k by the k-th largest value, top-p
-                     by an fp32 cumulative sum of the ascending-sorted softmax; then an fp32
-                     log_softmax of the cut row. At TP > 1 each rank all-gathers the row, as
-                     vLLM's sampler gets full logits
+  vllm_topk_topp     vLLM's float cut: min-p as vLLM 0.34 V2's kernel has it, `y >= max +
+                     log(min_p)` in fp32, then vLLM's own PyTorch top-k / top-p
+                     (`apply_top_k_top_p_pytorch`, what it runs on CPU) when vLLM imports --
+                     in this process, or else in its own process from the vLLM 0.34 that
+                     `make setup` installs under <venv>/hosts -- and otherwise a torch
+                     re-implementation of it (named so): top-k by the k-th largest value,
+                     top-p by an fp32 cumulative sum of the ascending-sorted softmax; then an
+                     fp32 log_softmax of the cut row. vLLM's sampler gets full rows (TP > 1
+                     all-gathers them): the re-implementation runs in the TP world, gathering;
+                     vLLM's own function runs at TP 1 only
   trl_unnormalised   TRL's replay: `trl.trainer.utils.selective_log_softmax` at the
                      temperature, over the full vocabulary (no cut, no renormalisation);
                      TRL does not split the vocabulary, so it has no TP column
@@ -28,6 +32,11 @@ from __future__ import annotations
 
 import hashlib
 import math
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
 
 import torch
 
@@ -37,6 +46,8 @@ from ..worlds import run_gloo_world
 CUT = {"temperature": 0.8, "top_k": 50, "top_p": 0.9, "min_p": 0.05}
 ROWS = ("exactlogp", "vllm_topk_topp", "trl_unnormalised")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+VLLM_HOST = "vllm-0.34.0"  # the Makefile's $(HOSTS)/vllm-$(VLLM_V2)
+_VLLM_MODULE = "vllm.v1.sample.ops.topk_topp_sampler"
 
 
 # --- the fp64 truth ---
@@ -79,12 +90,55 @@ def _exactlogp(x, t, group=None, start=None, vocab=None):
 
 
 def _vllm_function():
-    """(vLLM's apply_top_k_top_p, its description) or (None, why not)."""
+    """(vLLM's apply_top_k_top_p_pytorch, its description) or (None, why not)."""
     try:
-        from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
+        from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p_pytorch
     except Exception as exc:  # vLLM absent, or it fails to import on this machine
         return None, f"{type(exc).__name__}: {exc}"
-    return apply_top_k_top_p, "vllm.v1.sample.ops.topk_topp_sampler.apply_top_k_top_p"
+    import vllm
+
+    def cut(y, k, p):
+        return apply_top_k_top_p_pytorch(y, k, p, allow_cpu_sync=True)
+
+    return cut, f"{_VLLM_MODULE}.apply_top_k_top_p_pytorch (vLLM {vllm.__version__})"
+
+
+def vllm_host() -> Path | None:
+    """The vLLM 0.34 that `make setup` installs in its own directory, if it is there."""
+    host = Path(sys.prefix) / "hosts" / VLLM_HOST
+    return host if (host / _VLLM_MODULE.replace(".", "/")).with_suffix(".py").is_file() else None
+
+
+def _vllm_in_host(host: Path, x, t, check_rows: int, repeats: int) -> dict:
+    """The vllm_topk_topp row at TP 1 in a process that imports vLLM from `host`."""
+    src = Path(__file__).resolve().parents[2]
+    with tempfile.TemporaryDirectory(prefix="exactlogp-vllm-cut-") as tmp:
+        inp, out = Path(tmp) / "in.pt", Path(tmp) / "out.pt"
+        torch.save({"x": x, "t": t, "check_rows": check_rows, "repeats": repeats}, inp)
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(host), str(src)])}
+        done = subprocess.run(
+            [sys.executable, "-m", "exactlogp.report.processed", str(inp), str(out)],
+            env=env, capture_output=True, text=True, timeout=600,
+        )  # fmt: skip
+        if done.returncode != 0:
+            raise RuntimeError(f"vLLM's cut in {host} failed: {done.stderr[-2000:]}")
+        return torch.load(out, weights_only=True)
+
+
+def _host_job(inp: str, out: str) -> None:
+    """Inside the vLLM process: the row's results on the saved workload."""
+    job = torch.load(inp, weights_only=True)
+    x, t, n = job["x"], job["t"], job["check_rows"]
+    fn, what = _vllm_function()
+    if fn is None:
+        raise RuntimeError(what)
+    lp, keep = _vllm(x, t)
+    digests = {_digest(lp, keep)}
+    for _ in range(job["repeats"] - 1):
+        digests.add(_digest(*_vllm(x, t)))
+    alone = torch.cat([_vllm(x[i : i + 1], t[i : i + 1])[0] for i in range(n)])
+    torch.save({"lp": lp, "keep": keep, "alone": alone, "distinct": len(digests),
+                "what": what}, out)  # fmt: skip
 
 
 def _float_top_k_top_p(y: torch.Tensor, k: int, p: float) -> torch.Tensor:
@@ -149,13 +203,16 @@ def _available(name: str) -> str | None:
     return None
 
 
-def _implementation(name: str) -> str:
+def _implementation(name: str, host_what: str | None = None) -> str:
     if name == "exactlogp":
         return "exactlogp.processed_logprobs (exact cut, radix select over the shards)"
     if name == "vllm_topk_topp":
         fn, what = _vllm_function()
-        if fn is not None:
-            return f"vLLM's own {what}; min-p as y >= max + log(min_p) in fp32"
+        if fn is not None or host_what:
+            return (
+                f"vLLM's own {host_what or what}, TP 1 (vLLM samples from gathered rows); "
+                "min-p as V2's y >= max + log(min_p) in fp32"
+            )
         return (
             "re-implementation of vLLM 0.34's float min-p / top-k / top-p (vLLM does not "
             "import here); fp32 log_softmax of the cut row"
@@ -202,25 +259,39 @@ def measure(tokens: int, vocab: int, dtype: str, tp: int, repeats: int, check_ro
             rows[name] = {"unavailable": why}
         else:
             runnable.append(name)
+    in_host = None
+    if "vllm_topk_topp" in runnable and _vllm_function()[0] is None:
+        host = vllm_host()
+        if host is not None:
+            in_host = _vllm_in_host(host, x, t, min(check_rows, tokens), repeats)
     tp_results = {}
     if tp > 1 and vocab % tp == 0:
+        own = in_host is not None or _vllm_function()[0] is not None
         shardable = [n for n in runnable if n != "trl_unnormalised"]
+        if own:  # vLLM's own function: TP 1 (its sampler gets gathered rows)
+            shardable.remove("vllm_topk_topp")
         ranks = run_gloo_world(tp, _tp_rank, x, t, shardable, timeout=600.0)
         for name in shardable:
             tp_results[name] = (ranks[0][name][0], torch.cat([r[name][1] for r in ranks], -1))
+    n = min(check_rows, tokens)
     for name in runnable:
         fn = FUNCTIONS[name]
-        lp, own_keep = fn(x, t)
-        digests = {_digest(lp, own_keep)}
-        for _ in range(repeats - 1):
-            digests.add(_digest(*fn(x, t)))
-        n = min(check_rows, tokens)
-        alone = torch.cat([fn(x[i : i + 1], t[i : i + 1])[0] for i in range(n)])
+        if name == "vllm_topk_topp" and in_host is not None:
+            lp, own_keep, alone = in_host["lp"], in_host["keep"], in_host["alone"]
+            digests = set(range(in_host["distinct"]))
+        else:
+            lp, own_keep = fn(x, t)
+            digests = {_digest(lp, own_keep)}
+            for _ in range(repeats - 1):
+                digests.add(_digest(*fn(x, t)))
+            alone = torch.cat([fn(x[i : i + 1], t[i : i + 1])[0] for i in range(n)])
         dropped = lp == -math.inf
         ok = ~dropped
         err = (lp[ok].double() - truth[ok]).abs()
         entry = {
-            "implementation": _implementation(name),
+            "implementation": _implementation(
+                name, in_host["what"] if name == "vllm_topk_topp" and in_host else None
+            ),
             "cut_tp_equals_tp1": None,
             "logprobs_tp_equals_tp1": None,
             "batch_bitwise": bool(torch.equal(alone, lp[:n])),
@@ -265,3 +336,7 @@ def failures(processed: dict) -> list[str]:
     if e.get("distinct_results_in_repeats", 1) != 1:
         bad.append("repeats")
     return [f"processed: exactlogp fails {key}" for key in bad]
+
+
+if __name__ == "__main__":  # the vLLM process of _vllm_in_host
+    _host_job(sys.argv[1], sys.argv[2])
