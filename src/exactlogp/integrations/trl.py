@@ -249,11 +249,7 @@ def chunked_logprobs(
     compute = _compute_dtype(hidden)
     if compute == torch.float64:
         return _fp64_chunked(hidden, weight, bias, targets, temperature, logit_scale, outputs)
-    with (
-        _no_autocast(hidden.device)
-        if torch.is_autocast_enabled(hidden.device.type)
-        else nullcontext()
-    ):
+    with _no_autocast(hidden.device):
         hidden = hidden.to(compute)
         head = _head(weight, bias, compute)
         result = linear_selected_logprobs(
@@ -361,11 +357,7 @@ def processed_head_logprobs(
             "processed logprobs need the contract's logits: fp64 hidden states are outside "
             "it; run the model in bf16, fp16 or fp32"
         )
-    with (
-        _no_autocast(hidden.device)
-        if torch.is_autocast_enabled(hidden.device.type)
-        else nullcontext()
-    ):
+    with _no_autocast(hidden.device):
         hidden = hidden.to(compute)
         head = _head(weight, bias, compute)
 
@@ -614,6 +606,9 @@ def _compute_dtype(hidden: torch.Tensor) -> torch.dtype:
 
 
 def _no_autocast(device: torch.device):
+    """Autocast off inside (the head computes in the dtype it chose), where it is on."""
+    if not torch.is_autocast_enabled(device.type):
+        return nullcontext()
     return torch.autocast(device.type, enabled=False)
 
 
