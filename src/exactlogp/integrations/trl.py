@@ -107,13 +107,7 @@ def selective_log_softmax_and_entropy(
     `entropy_requires_grad=False` the entropy is detached."""
     out_dtype = _rows.check_out_dtype(out_dtype)
     temperature = _rows.check_positive_temperature(temperature)
-    _rows.check_tensor("logits", logits)
-    _rows.check_tensor("index", index)
-    if tuple(index.shape) != tuple(logits.shape[:-1]):
-        raise ValueError(
-            f"index shape {tuple(index.shape)} must be logits shape without its last "
-            f"dimension, {tuple(logits.shape[:-1])} (one id per row)"
-        )
+    _check_one_id_per_row(logits, index)
     logprobs, entropy = _rows.one_id_per_row(
         logits, index, temperature=temperature, row_mask=row_mask, with_entropy=True
     )
@@ -158,13 +152,7 @@ def processed_selective_log_softmax(
     from .megatron import ProcessedReplay
 
     _rows.check_positive_temperature(temperature)
-    _rows.check_tensor("logits", logits)
-    _rows.check_tensor("index", index)
-    if tuple(index.shape) != tuple(logits.shape[:-1]):
-        raise ValueError(
-            f"index shape {tuple(index.shape)} must be logits shape without its last "
-            f"dimension, {tuple(logits.shape[:-1])} (one id per row)"
-        )
+    _check_one_id_per_row(logits, index)
     keep = torch.ones(index.shape, dtype=torch.bool, device=index.device)
     if row_mask is not None:
         if tuple(row_mask.shape) != tuple(index.shape):
@@ -603,6 +591,16 @@ def _compute_dtype(hidden: torch.Tensor) -> torch.dtype:
     if torch.is_autocast_enabled(kind):
         return torch.get_autocast_dtype(kind)
     return hidden.dtype
+
+
+def _check_one_id_per_row(logits, index) -> None:
+    _rows.check_tensor("logits", logits)
+    _rows.check_tensor("index", index)
+    if tuple(index.shape) != tuple(logits.shape[:-1]):
+        raise ValueError(
+            f"index shape {tuple(index.shape)} must be logits shape without its last "
+            f"dimension, {tuple(logits.shape[:-1])} (one id per row)"
+        )
 
 
 def _no_autocast(device: torch.device):
