@@ -24,6 +24,12 @@ class ShardPlan:
     ignore_index: int
     with_entropy: bool
 
+    def real_columns(self, num_cols: int) -> int:
+        """How many of this shard's num_cols columns are real (not padding)."""
+        if self.vocab_size is None:
+            return num_cols
+        return max(0, min(num_cols, self.vocab_size - self.vocab_start))
+
     def target_columns(self, target: torch.Tensor, num_cols: int) -> torch.Tensor:
         """(N,) int64, contiguous: contract.owned_target_columns of this shard."""
         return contract.owned_target_columns(
@@ -129,6 +135,21 @@ class Backend:
     def partials(self, logits, target, temperature, keep_mask, row_max, plan) -> torch.Tensor:
         """(N, contract.NUM_COLS) int64: this shard's exact row record."""
         raise NotImplementedError
+
+    def chunk_max(self, logits, temperature, plan: ShardPlan, chunk: int) -> torch.Tensor:
+        """(N, ceil(R / chunk)) fp32, R = plan.real_columns(V_local): the max of y over the
+        real columns [c * chunk, min((c + 1) * chunk, R)) of each row, NaN where one of them
+        is NaN, else +inf where one is +inf, and a zero max as +0. No keep mask. The exact
+        cut's top-k shortcut reads it (exactlogp.sampling). This default is torch code:
+        y = fp32(x) / tau is monotonic in x, so the max of y is y of the max of x."""
+        n, real = num_rows(logits), plan.real_columns(logits.shape[-1])
+        chunks = -(-real // chunk)
+        x = logits.reshape(n, logits.shape[-1])[:, :real]
+        if chunks * chunk != real:
+            pad = x.new_full((n, chunks * chunk - real), float("-inf"))
+            x = torch.cat([x, pad], dim=1)
+        top = x.reshape(n, chunks, chunk).amax(-1)  # NaN propagates
+        return contract.scaled_logits(top, temperature.column()) + 0.0  # -0 -> +0
 
     def forward_unsharded(self, logits, target, temperature, keep_mask, plan: ShardPlan):
         """Stages 2-7 when this shard is the whole vocabulary (no TP group): (row max,
