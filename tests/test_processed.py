@@ -15,7 +15,14 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from exactlogp import contract, processed_logprobs, sample, sampling_mask, selected_logprobs
+from exactlogp import (
+    contract,
+    processed_logprobs,
+    sample,
+    sampling,
+    sampling_mask,
+    selected_logprobs,
+)
 from exactlogp.testing import assert_bitwise_equal, llm_like_logits, run_gloo_world
 
 # --- the definition, one row at a time ---
@@ -307,9 +314,11 @@ def run_all(x, t, kw, u, **shard):
     (lp.sum() + res.entropy.sum() - 0.5 * res.lse.sum()).backward()
     mask = sampling_mask(x, **kw, **shard)
     ids = sample(x, uniforms=u, **kw, **shard)
+    fwd = processed_logprobs(x, t, with_entropy=True, **kw, **shard)  # no gradient
     out = dict(
         lp=res.logprobs.detach(), ent=res.entropy.detach(), lse=res.lse.detach(),
         grad=xg.grad, dropped=res.dropped, keep=mask.keep_mask, thr=mask.threshold, ids=ids,
+        lp_fwd=fwd.logprobs, ent_fwd=fwd.entropy, lse_fwd=fwd.lse, dropped_fwd=fwd.dropped,
     )  # fmt: skip
     for i, other in enumerate(OTHER_CUTS):
         out[f"lp{i}"] = processed_logprobs(x, t, **other, **shard).logprobs
@@ -372,6 +381,8 @@ def test_every_tp_degree_gives_the_same_bits(world, world_results):
         what = f"world {world} rank {rank}"
         for name in ("lp", "ent", "lse", "thr", "ids", "dropped", "lp0", "lp1", "ids0", "ids1"):
             assert_bitwise_equal(got[name], want[name], f"{what} {name}")
+        for name in ("lp", "ent", "lse", "dropped"):  # the forward alone: the kept lists
+            assert_bitwise_equal(got[name + "_fwd"], want[name], f"{what} {name} forward")
         for name in ("keep", "keep0", "keep1"):
             assert torch.equal(got[name], want[name][:, lo:hi]), f"{what} {name}"
         assert_bitwise_equal(got["grad"], want["grad"][:, lo:hi], f"{what} gradient")
@@ -379,6 +390,56 @@ def test_every_tp_degree_gives_the_same_bits(world, world_results):
             assert bool(torch.isnan(got["nan"]).all()), what
             assert got["error"] is not None and "top_p of row[4]" in got["error"], what
             assert bool((got["ids_bad"] == -1).all()), what
+
+
+FORWARD_CASES = [
+    dict(top_k=7),
+    dict(top_k=7, top_p=0.8),
+    dict(top_p=0.9),
+    dict(min_p=0.05),
+    dict(top_k=torch.tensor([3, 0, -1, 9, 1, 2]), top_p=0.95, min_p=0.01),
+    dict(top_k=4, temperature=torch.tensor([0.0, 0.7, 1.3, 0.0, 1.0, 0.5])),
+    dict(top_k=200, top_p=0.5, temperature=0.6),
+]
+
+
+@pytest.mark.parametrize("case", range(len(FORWARD_CASES)))
+def test_the_forward_alone_gives_the_bits_of_the_masked_pass(case, monkeypatch):
+    """Without a gradient, the processed logprobs come from the kept columns' list (and
+    the partials pass for rows without a cut): the bits of selected_logprobs over the keep
+    mask, which the gradient path runs. Wide rows (the top-k shortcut), padding, a NaN
+    row, an ignored row, a dropped target, entropy, a (B, T, V) view."""
+    shortcut = []
+    real = sampling._topk_candidates
+    monkeypatch.setattr(
+        sampling, "_topk_candidates", lambda *a: shortcut.append(real(*a)) or shortcut[-1]
+    )
+    kw = FORWARD_CASES[case]
+    clean, t = llm_like_logits(6, 1700, torch.bfloat16, seed=20 + case)
+    x = clean.clone()
+    x[2, 11] = float("nan")  # its block is scanned whole
+    t[3] = -100
+    t[4] = int(x[4].float().argmin())  # dropped by every cut
+    for logits, shard in ((x, {}), (clean, {}), (clean, dict(vocab_size=1650))):
+        tt = torch.where(t >= 1650, 5, t) if shard else t
+        fwd = processed_logprobs(logits, tt, with_entropy=True, validate=False, **kw, **shard)
+        xg = logits.clone().requires_grad_(True)
+        ref = processed_logprobs(xg, tt, with_entropy=True, validate=False, **kw, **shard)
+        for name in ("logprobs", "entropy", "lse"):
+            assert_bitwise_equal(getattr(fwd, name), getattr(ref, name).detach(), name)
+        assert torch.equal(fwd.dropped, ref.dropped)
+        assert torch.equal(fwd.mask.keep_mask, ref.mask.keep_mask)
+        assert bool(torch.isnan(fwd.logprobs[2])) == (logits is x) and fwd.logprobs[3] == 0
+    k = kw.get("top_k")
+    wide = isinstance(k, int) and k <= 7 and "min_p" not in kw
+    assert any(c is not None for c in shortcut) == wide  # the shortcut ran where it can
+    view = torch.cat([x.view(2, 3, 1700), x.view(2, 3, 1700)[:, :1]], 1)[:, :-1]
+    kw3 = {k: v.view(2, 3) if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
+    got = processed_logprobs(view, t.view(2, 3), validate=False, **kw3)
+    want = processed_logprobs(x, t, validate=False, **kw)
+    assert_bitwise_equal(got.logprobs.reshape(-1), want.logprobs, "(B, T, V) rows")
+    with pytest.raises(ValueError, match=r"row\[2\] has 1 NaN or \+inf"):
+        processed_logprobs(x, t, **kw)
 
 
 def test_strided_3d_logits_give_the_rows_bits():

@@ -186,6 +186,21 @@ def quantize(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return hi, lo
 
 
+def term_limbs(d: torch.Tensor, with_entropy: bool = False, valid: torch.Tensor | None = None):
+    """The limbs of each column's terms, d = fp64(y) - fp64(M) (any shape): (hi, lo) of
+    e = Q(exp_c(d)) where CUTOFF <= d <= 0 (and `valid`), else 0 -- NaN and +-inf fail a
+    compare -- and with_entropy also (hi, lo) of Q(e * (-d)). The partials pass sums them;
+    the exact cut (exactlogp.sampling) weighs and sums the kept columns by them."""
+    term = (d >= CUTOFF) & (d <= 0.0)
+    if valid is not None:
+        term = valid & term
+    dz = torch.where(term, d, torch.zeros_like(d))  # exp_c sees only [CUTOFF, 0]
+    e = torch.where(term, exp_c(dz), torch.zeros_like(d))
+    if not with_entropy:
+        return quantize(e)
+    return (*quantize(e), *quantize(e * (-dz)))
+
+
 # --- which shard holds a target ---
 
 
@@ -228,16 +243,11 @@ def partials(
     out = torch.zeros(n, NUM_COLS, dtype=torch.int64, device=y.device)
 
     d = y.to(torch.float64) - row_max.to(torch.float64).unsqueeze(-1)
-    term = valid & (d >= CUTOFF) & (d <= 0.0)  # only finite y: NaN, +-inf fail a compare
-    dz = torch.where(term, d, torch.zeros_like(d))  # exp_c sees only [CUTOFF, 0]
-    e = torch.where(term, exp_c(dz), torch.zeros_like(d))
-    hi, lo = quantize(e)
-    out[:, COL_E_HI] = hi.sum(-1)
-    out[:, COL_E_LO] = lo.sum(-1)
-    if with_entropy:
-        hi, lo = quantize(e * (-dz))
-        out[:, COL_W_HI] = hi.sum(-1)
-        out[:, COL_W_LO] = lo.sum(-1)
+    limbs = term_limbs(d, with_entropy, valid)
+    for col, limb in zip(
+        (COL_E_HI, COL_E_LO, COL_W_HI, COL_W_LO)[: len(limbs)], limbs, strict=True
+    ):
+        out[:, col] = limb.sum(-1)
 
     nonfinite = valid & (torch.isnan(y) | (y == float("inf")))
     out[:, COL_NONFINITE] = nonfinite.sum(-1)

@@ -16,6 +16,8 @@ is then `selected_logprobs` over the kept set.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import numbers
 from typing import NamedTuple
 
@@ -27,6 +29,7 @@ from .backends.base import num_rows, row_view, take_rows
 from .call import device_of, make_call
 
 BLOCK_ROWS = 32  # rows cut together: a function of nothing but N, alike on every rank
+LARGE_BLOCK_ROWS = 512  # rows cut together without a TP group where no scan is needed
 _BITS = 42
 _MASK = (1 << _BITS) - 1
 _NONE_ID = 1 << 62  # no argmax on this shard
@@ -53,7 +56,11 @@ class ProcessedLogprobs(LogprobResult):
 
     dropped: torch.Tensor
     num_dropped: torch.Tensor
-    mask: SamplingMask
+
+    @functools.cached_property
+    def mask(self) -> SamplingMask:
+        """The cut's SamplingMask, built on first read (the keep mask is (..., V_local))."""
+        return self._build_mask()
 
 
 # --- argument checks ---
@@ -182,10 +189,7 @@ def _key_value(key: torch.Tensor) -> torch.Tensor:
 
 def _masses(d: torch.Tensor):
     """(hi, lo) int64 limbs of q = Q(exp_c(d)) for binary64 d; 0 outside [-64, 0]."""
-    term = (d >= contract.CUTOFF) & (d <= 0.0)
-    dz = torch.where(term, d, torch.zeros_like(d))
-    e = torch.where(term, contract.exp_c(dz), torch.zeros_like(d))
-    return contract.quantize(e)
+    return contract.term_limbs(d)
 
 
 def _radix_select(rows, keys, weights, n, group, need_of_total):
@@ -227,6 +231,47 @@ def _radix_select(rows, keys, weights, n, group, need_of_total):
     return prefix, found
 
 
+def _sorted_select(rows, keys, weights, n, need_of_total):
+    """_radix_select's result where the whole vocabulary is here (no TP group), in fewer
+    steps: each row's elements sorted by key, largest first; the threshold is the key of
+    the first element whose running weight (ties or not) reaches the need. No larger t has
+    W{key >= t} >= need (those sets hold only elements before it, which weigh less), and
+    W{key >= its key} >= need: the largest such t, which the radix rounds find. Returns
+    (threshold key (n,), 0 where not found; found (n,) bool)."""
+    w = weights.shape[1]
+    dev = keys.device
+    total = torch.zeros(n, w, dtype=torch.int64, device=dev).index_add_(0, rows, weights)
+    need = need_of_total(total)
+    order = torch.argsort(rows * (1 << 32) + ((1 << 32) - 1 - keys))  # rows up, keys down
+    rows, keys, weights = rows[order], keys[order], weights[order]
+    cum = weights.cumsum(0)
+    counts = torch.bincount(rows, minlength=n)
+    starts = counts.cumsum(0) - counts
+    before = torch.zeros(n, w, dtype=torch.int64, device=dev)  # weight of the rows before
+    has = starts > 0
+    before[has] = cum[starts[has] - 1]
+    cum = cum - before[rows]
+    if w == 1:
+        ok = cum[:, 0] >= need[rows, 0]
+    else:
+        ok = _ge(cum[:, 0], cum[:, 1], need[rows, 0], need[rows, 1])
+    pos = torch.arange(len(keys), device=dev)
+    first = torch.full((n,), len(keys), dtype=torch.int64, device=dev).scatter_reduce_(
+        0, rows[ok], pos[ok], "amin"
+    )
+    found = first < len(keys)
+    threshold = torch.zeros(n, dtype=torch.int64, device=dev)
+    threshold[found] = keys[first[found]]
+    return threshold, found
+
+
+def _select_threshold(group):
+    """The exact selection of a cut: the radix rounds across a TP group, else one sort."""
+    if group.distributed:
+        return lambda *args: _radix_select(*args[:4], group, args[4])
+    return _sorted_select
+
+
 def _ceil_fraction(p: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
     """(n, 2) limbs of ceil(p S) for fp32 p and S = the (n, 2) limbs: Python integers."""
     out = []
@@ -240,16 +285,71 @@ def _ceil_fraction(p: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
 # --- the cut ---
 
 
+class _Setup(NamedTuple):
+    """What every block of rows of one cut shares."""
+
+    x: torch.Tensor  # the logits' row_view
+    call: object  # the Call
+    k: object  # None, an int, or (N,) int64
+    p: object  # None, a float, or (N,) fp32
+    m: object  # None, a float, or (N,) fp32
+    greedy: torch.Tensor  # (N,) bool
+    group: object
+    start: int  # this rank's vocab_start
+    real: torch.Tensor  # (1, V_local) bool: not padding
+    padded: bool
+    row_max: torch.Tensor  # (N,) fp32, global
+    s_full: torch.Tensor | None  # (N, 2) limbs of each row's whole mass (top-p alone)
+    cmax: torch.Tensor | None  # (N, chunks) fp32: Backend.chunk_max, for top-k
+
+
+class _Block(NamedTuple):
+    """One block's part of the cut: the kept columns of its cut rows as a list."""
+
+    rows: slice
+    r: torch.Tensor  # (K,) int64 row in the block
+    c: torch.Tensor  # (K,) int64 local column
+    y: torch.Tensor  # (K,) fp32
+    cut: torch.Tensor  # (nb,) bool: rows with a cut (the others keep every real column)
+    bad: torch.Tensor | None  # (nb, V_local) bool: NaN / +inf real columns (kept), or None
+
+
 class _Cut(NamedTuple):
-    keep: torch.Tensor  # (N, V_local) bool
+    blocks: list  # _Block per block of rows
     threshold: torch.Tensor  # (N,) fp32
     row_max: torch.Tensor  # (N,) fp32
     argmax: torch.Tensor  # (N,) int64 lowest global id of the max; -1 if none
     dropped: torch.Tensor  # (N,) bool: target outside the kept set
     poison: torch.Tensor  # (N,) bool: the ranks disagree
     check: object  # agreement.RankCheck or None
-    y_blocks: list  # per block: (rows slice, y, M as fp64, kept) for sample
-    start: int  # this rank's vocab_start
+    y_blocks: list  # per block: (rows slice, y, M as fp64) for sample
+    setup: _Setup | None
+
+
+def _keep_mask(cut: _Cut, n: int, v_local: int, device) -> torch.Tensor:
+    """(N, V_local) bool: this rank's kept columns, from the cut's lists."""
+    keep = torch.zeros(n, v_local, dtype=torch.bool, device=device)
+    for b in cut.blocks:
+        kept = keep[b.rows]  # a view
+        kept[b.r, b.c] = True
+        if b.bad is not None:
+            kept |= b.bad
+        if not bool(b.cut.all()):
+            kept[~b.cut] = cut.setup.real
+    return keep
+
+
+def _at(x: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    """x[row, col] of a row_view ((N, V) or (B, T, V) rows) at global rows: no copy of x."""
+    if x.dim() == 2:
+        return x[rows, cols]
+    return x[rows // x.shape[1], rows % x.shape[1], cols]
+
+
+def _tau_of(call, rows: torch.Tensor):
+    """The temperature of each of `rows` (global): the float, or (len,) fp32."""
+    t = call.temperature
+    return t.scalar if t.rows is None else t.rows[rows]
 
 
 def _cut(
@@ -285,14 +385,20 @@ def _cut(
     t = target.reshape(-1).to(torch.int64)
     start, vsize = call.plan.vocab_start, call.plan.vocab_size
     real = contract.valid_columns(v_local, start, vsize, None, x.device)  # (1, V)
-    tau_col = tau.unsqueeze(-1) if isinstance(tau, torch.Tensor) else tau
+    padded = vsize is not None and start + v_local > vsize
 
-    def scaled(rows):
-        tc = tau_col[rows] if isinstance(tau_col, torch.Tensor) else tau_col
-        return contract.scaled_logits(take_rows(x, rows), tc)
-
-    blocks = [slice(s, min(s + BLOCK_ROWS, n)) for s in range(0, n, BLOCK_ROWS)]
-    local_max = call.backend.row_max(x, call.temperature, None, call.plan)
+    # top-k reads the maxima of chunks of columns; where none is NaN or +inf, the largest
+    # of a row's is its max (one read of the logits for both)
+    cmax = None
+    if k is not None and n and call.plan.real_columns(v_local):
+        cmax = call.backend.chunk_max(x, call.temperature, call.plan, CHUNK)
+        clean = (cmax < float("inf")).all(1)
+        local_max = cmax.amax(1)
+        if not bool(clean.all()):
+            other = call.backend.row_max(x, call.temperature, None, call.plan)
+            local_max = torch.where(clean, local_max, other)
+    else:
+        local_max = call.backend.row_max(x, call.temperature, None, call.plan)
 
     # the max, with every rank's per-row parameters in the agreement's (v, -v) pairs
     check = None
@@ -306,152 +412,200 @@ def _cut(
         if bool(check.poison.any()):  # alike on every rank: every rank stops here
             if validate:
                 raise ValueError(_ranks_text(check, target.shape))
-            return _poisoned(n, v_local, x.device, check)
+            return _poisoned(n, x.device, check), None
     else:
         row_max = local_max
     row_max = row_max.contiguous()
 
-    keep = torch.zeros(n, v_local, dtype=torch.bool, device=x.device)
+    setup = _Setup(
+        x, call, k, p, m, greedy, group, start, real, padded, row_max,
+        _full_masses(x, t, call, row_max, greedy, k, p, m, group), cmax,
+    )  # fmt: skip
     threshold = torch.full((n,), float("-inf"), dtype=torch.float32, device=x.device)
     local_arg = torch.full((n,), _NONE_ID, dtype=torch.int64, device=x.device)
-    owned = contract.owned_target_columns(t, start, v_local, vsize, ignore_index)
-    padded = vsize is not None and start + v_local > vsize
-    ys = []
-    s_full = _full_masses(x, t, call, row_max, greedy, k, p, m, group)
-    for rows in blocks:
-        y = ok = bad = None
-        nb = rows.stop - rows.start
-        mx = row_max[rows]
-        mx64 = mx.to(torch.float64)
-        cut_row = ~greedy[rows] & torch.isfinite(mx)
-        m_on = k_on = p_on = torch.zeros(nb, dtype=torch.bool, device=x.device)
-        if m is not None:
-            mv = _rows_of(m, rows, nb, x.device, torch.float32)
-            m_on = cut_row & (mv > 0)
-        if k is not None:
-            kv = _rows_of(k, rows, nb, x.device, torch.int64)
-            k_on = cut_row & (kv > 0)
-        if p is not None:
-            pv = _rows_of(p, rows, nb, x.device, torch.float32)
-            p_on = cut_row & (pv < 1)
-        any_on = m_on | k_on | p_on
-        thr_key = torch.zeros(nb, dtype=torch.int64, device=x.device)  # key 0: below -inf
-        if bool(any_on.any()):  # alike on every rank: the rounds are collectives
-            # rows with top-p alone: S is the whole row's mass (s_full); their columns
-            # start above M - 16, and a row whose columns there do not reach p S (found
-            # is False, alike on every rank) is cut again from all its columns
-            pure = p_on & ~k_on & ~m_on
-            relax = torch.zeros(nb, dtype=torch.bool, device=x.device)
-            fast = None
-            if k is not None and not padded and v_local:
-                tc = tau_col[rows] if isinstance(tau_col, torch.Tensor) else tau_col
-                fast = _topk_candidates(take_rows(x, rows), tc, kv, k_on & ~m_on, any_on)
-            if fast is None:
-                y = scaled(rows)
-                # NaN / +inf (kept, so that the row is reported bad) and padding need
-                # masks; amax is NaN or +inf exactly when one is present
-                if padded or v_local == 0 or not bool(y.amax() < float("inf")):
-                    lt = y < float("inf")  # finite or -inf
-                    ok, bad = lt & real, real & ~lt
-            while True:
-                thr_key.zero_()
-                if fast is not None:
-                    r, c, yc = fast
-                else:
-                    floor = _floors(
-                        y, ok, mx64, m is not None and mv, m_on, k is not None and kv, k_on
-                    )
-                    near = (mx64 - 16.0).to(torch.float32)
-                    floor = torch.where(pure & ~relax, near, floor)
-                    floor = torch.where(any_on, floor, float("inf"))  # no cut: no column
-                    sel = y >= floor.unsqueeze(-1)
-                    r, c = torch.nonzero(sel if ok is None else sel & ok, as_tuple=True)
-                    yc = y[r, c]
-                # the lowest id of the max: every value equal to M is above every floor
-                at = yc == mx[r]
-                local_arg[rows] = (
-                    torch.full((nb,), _NONE_ID, dtype=torch.int64, device=x.device)
-                    .scatter_reduce_(0, r[at], c[at] + start, "amin")
-                )  # fmt: skip
-                if m is not None:  # min-p on the exact masses
-                    mh, ml = _min_mass(mv)
-                    qh, ql = _masses(yc.to(torch.float64) - mx64[r])
-                    alive = ~m_on[r] | _ge(qh, ql, mh[r], ml[r])
-                    r, c, yc = r[alive], c[alive], yc[alive]
-                key = _keys(yc)
-                if k is not None:  # top-k: counts
-                    sel = k_on[r]
-                    ones = torch.ones(int(sel.sum()), 1, dtype=torch.int64, device=x.device)
-                    tk, found = _radix_select(
-                        r[sel], key[sel], ones, nb, group, lambda total, kv=kv: kv.view(-1, 1)
-                    )
-                    thr_key = torch.where(k_on & found, tk, thr_key)
-                    alive = key >= thr_key[r]
-                    r, c, yc, key = r[alive], c[alive], yc[alive], key[alive]
-                if p is None:
-                    break
-                # top-p: masses
-                sel = p_on[r]
-                qh, ql = _masses(yc[sel].to(torch.float64) - mx64[r[sel]])
-                whole = s_full[rows] if s_full is not None else None
-
-                def need(total, pv=pv, whole=whole, pure=pure):
-                    if whole is not None:
-                        total = torch.where(pure.unsqueeze(-1), whole, total)
-                    return _ceil_fraction(pv, total)
-
-                tp, found = _radix_select(
-                    r[sel], key[sel], torch.stack([qh, ql], 1), nb, group, need
-                )
-                retry = p_on & pure & ~found & ~relax
-                if fast is None and bool(retry.any()):
-                    relax |= retry
-                    continue
-                thr_key = torch.where(p_on & found, torch.maximum(tp, thr_key), thr_key)
-                alive = key >= thr_key[r]
-                r, c = r[alive], c[alive]
-                break
-            kept = keep[rows]  # a view, all False
-            kept[r, c] = True
-            if bad is not None:
-                kept |= bad
-            if not bool(any_on.all()):
-                kept[~any_on] = real
-        else:
-            kept = keep[rows]
-            kept.copy_(real.expand(nb, v_local))
-        threshold[rows] = torch.where(
-            thr_key > 0, _key_value(thr_key), torch.full_like(mx, float("-inf"))
-        )
-        if keep_y and y is None:
-            y = scaled(rows)
-            if padded or v_local == 0 or not bool(y.amax() < float("inf")):
-                lt = y < float("inf")
-                ok, bad = lt & real, real & ~lt
-        need_arg = ~any_on & torch.isfinite(mx) if keep_y else None
-        if v_local and need_arg is not None and bool(need_arg.any()):  # rows without a cut
-            ycl = y if ok is None else torch.where(ok, y, float("-inf"))
-            a = ycl.argmax(-1)
-            at = ycl.gather(1, a.unsqueeze(-1)).squeeze(-1) == mx
-            local_arg[rows] = torch.where(at & need_arg, a + start, local_arg[rows])
-        if keep_y:
-            ys.append((rows, y, mx64, kept))
+    blocks, ys = [], []
+    # with a TP group the blocks are a function of N alone (their rounds are collectives);
+    # without one, a block first tries the shortcut on LARGE_BLOCK_ROWS rows at once
+    step = BLOCK_ROWS if group.distributed or keep_y else LARGE_BLOCK_ROWS
+    for s in range(0, n, step):
+        rows = slice(s, min(s + step, n))
+        done = _cut_block(setup, rows, keep_y, scan=step == BLOCK_ROWS)
+        if done is None:  # the large block needs a scan: its blocks of BLOCK_ROWS do it
+            small = range(rows.start, rows.stop, BLOCK_ROWS)
+            parts = [slice(a, min(a + BLOCK_ROWS, rows.stop)) for a in small]
+            done = [_cut_block(setup, part, keep_y, scan=True) for part in parts]
+        for block, thr_key, arg, y in [done] if isinstance(done, tuple) else done:
+            part = block.rows
+            blocks.append(block)
+            local_arg[part] = arg
+            threshold[part] = torch.where(thr_key > 0, _key_value(thr_key), threshold[part])
+            if keep_y:
+                ys.append((part, y, row_max[part].to(torch.float64)))
 
     # the lowest argmax id and whether the owner cut the target: one int64 MAX
-    own = owned >= 0
-    t_kept = keep.gather(1, owned.clamp(min=0).unsqueeze(-1)).squeeze(-1) if v_local else own
-    flags = torch.stack([-local_arg, (own & ~t_kept).to(torch.int64)])
+    owned = contract.owned_target_columns(t, start, v_local, vsize, ignore_index)
+    kept = _kept_at(blocks, owned, setup)
+    flags = torch.stack([-local_arg, ((owned >= 0) & ~kept).to(torch.int64)])
     flags = distributed.all_reduce_max_(flags, group)
     argmax = torch.where(flags[0] == -_NONE_ID, -1, -flags[0])
     poison = torch.zeros(n, dtype=torch.bool, device=x.device)
-    return _Cut(keep, threshold, row_max, argmax, flags[1] > 0, poison, check, ys, start), (
-        call,
-        k,
-        p,
-        m,
-        tau,
-        greedy,
-    )
+    cut = _Cut(blocks, threshold, row_max, argmax, flags[1] > 0, poison, check, ys, setup)
+    return cut, (call, k, p, m, tau, greedy)
+
+
+def _kept_at(blocks, owned: torch.Tensor, setup: _Setup) -> torch.Tensor:
+    """(N,) bool: whether each row's column `owned` (-1: none) is kept on this rank."""
+    n = owned.shape[0]
+    hit = torch.zeros(n, dtype=torch.bool, device=owned.device)
+    for b in blocks:
+        g = b.r + b.rows.start
+        at = b.c == owned[g]
+        hit[g[at]] = True
+        rows = torch.arange(b.rows.start, b.rows.stop, device=owned.device)
+        mine = owned[b.rows]
+        whole = ~b.cut & (mine >= 0)
+        if b.bad is not None:
+            whole |= (mine >= 0) & b.bad.gather(1, mine.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+        hit[rows[whole]] = True
+    return hit
+
+
+def _cut_block(su: _Setup, rows: slice, keep_y: bool, scan: bool):
+    """The cut of one block of rows: (_Block, the threshold keys (nb,) (0: none), the
+    lowest local argmax id + start (nb,), the block's y when keep_y); None where the
+    block would need a scan of all its columns and `scan` is False."""
+    x, k, p, m = su.x, su.k, su.p, su.m
+    dev = x.device
+    nb = rows.stop - rows.start
+    mx = su.row_max[rows]
+    mx64 = mx.to(torch.float64)
+    cut_row = ~su.greedy[rows] & torch.isfinite(mx)
+    off = torch.zeros(nb, dtype=torch.bool, device=dev)
+    mv = kv = pv = None
+    m_on = k_on = p_on = off
+    if m is not None:
+        mv = _rows_of(m, rows, nb, dev, torch.float32)
+        m_on = cut_row & (mv > 0)
+    if k is not None:
+        kv = _rows_of(k, rows, nb, dev, torch.int64)
+        k_on = cut_row & (kv > 0)
+    if p is not None:
+        pv = _rows_of(p, rows, nb, dev, torch.float32)
+        p_on = cut_row & (pv < 1)
+    any_on = m_on | k_on | p_on
+    thr_key = torch.zeros(nb, dtype=torch.int64, device=dev)  # key 0: below -inf
+    arg = torch.full((nb,), _NONE_ID, dtype=torch.int64, device=dev)
+    empty = torch.zeros(0, dtype=torch.int64, device=dev)
+    r, c, yc = empty, empty, torch.zeros(0, dtype=torch.float32, device=dev)
+    y = ok = bad = None
+    if bool(any_on.any()):  # alike on every rank: the rounds are collectives
+        # rows with top-p alone: S is the whole row's mass (s_full); their columns start
+        # above M - 16, and a row whose columns there do not reach p S (found is False,
+        # alike on every rank) is cut again from all its columns
+        pure = p_on & ~k_on & ~m_on
+        relax = off.clone()
+        fast = None
+        if su.cmax is not None:
+            fast = _topk_candidates(su, rows, kv, k_on & ~m_on, any_on)
+        if fast is None:
+            if not scan:
+                return None
+            y, ok, bad = _scan(su, rows)
+        while True:
+            if fast is not None:
+                r, c, yc = fast
+            else:
+                floor = _floors(y, ok, mx64, mv if m is not None else False, m_on,
+                                kv if k is not None else False, k_on)  # fmt: skip
+                near = (mx64 - 16.0).to(torch.float32)
+                floor = torch.where(pure & ~relax, near, floor)
+                floor = torch.where(any_on, floor, float("inf"))  # no cut: no column
+                sel = y >= floor.unsqueeze(-1)
+                r, c = torch.nonzero(sel if ok is None else sel & ok, as_tuple=True)
+                yc = y[r, c]
+            # the lowest id of the max: every value equal to M is above every floor
+            at = yc == mx[r]
+            arg = torch.full((nb,), _NONE_ID, dtype=torch.int64, device=dev).scatter_reduce_(
+                0, r[at], c[at] + su.start, "amin"
+            )
+            r, c, yc, thr_key, retry = _select(
+                su, rows, (r, c, yc), mx, (mv, kv, pv), (m_on, k_on, p_on), (pure, relax)
+            )
+            if fast is None and bool(retry.any()):
+                relax |= retry
+                continue
+            break
+    if keep_y and y is None:
+        y, ok, bad = _scan(su, rows)
+    need_arg = ~any_on & torch.isfinite(mx) if keep_y else None
+    if x.shape[-1] and need_arg is not None and bool(need_arg.any()):  # rows without a cut
+        ycl = y if ok is None else torch.where(ok, y, float("-inf"))
+        a = ycl.argmax(-1)
+        at = ycl.gather(1, a.unsqueeze(-1)).squeeze(-1) == mx
+        arg = torch.where(at & need_arg, a + su.start, arg)
+    if bad is not None and not bool(bad.any()):
+        bad = None
+    return _Block(rows, r, c, yc, any_on, bad), thr_key, arg, y
+
+
+def _scan(su: _Setup, rows: slice):
+    """The block's y (nb, V_local) fp32, and where NaN / +inf or padding occur the masks
+    (ok: real and finite or -inf; bad: real and NaN or +inf), else None, None."""
+    tau = su.call.temperature.take(rows).column()
+    y = contract.scaled_logits(take_rows(su.x, rows), tau)
+    # amax is NaN or +inf exactly when one is present
+    if su.padded or y.shape[-1] == 0 or not bool(y.amax() < float("inf")):
+        lt = y < float("inf")  # finite or -inf
+        return y, lt & su.real, su.real & ~lt
+    return y, None, None
+
+
+def _select(su: _Setup, rows: slice, cand, mx, values, on, pure_relax):
+    """min-p, then top-k, then top-p on the candidates (r, c, yc) of a block: the kept
+    ones, the threshold keys (nb,), and the top-p-alone rows (`pure`, not yet `relax`ed)
+    whose candidates did not reach p S (to cut again from all their columns)."""
+    r, c, yc = cand
+    mv, kv, pv = values
+    m_on, k_on, p_on = on
+    pure, relax = pure_relax
+    nb = rows.stop - rows.start
+    dev = yc.device
+    mx64 = mx.to(torch.float64)
+    thr_key = torch.zeros(nb, dtype=torch.int64, device=dev)
+    retry = torch.zeros(nb, dtype=torch.bool, device=dev)
+    if mv is not None:  # min-p on the exact masses
+        mh, ml = _min_mass(mv)
+        qh, ql = _masses(yc.to(torch.float64) - mx64[r])
+        alive = ~m_on[r] | _ge(qh, ql, mh[r], ml[r])
+        r, c, yc = r[alive], c[alive], yc[alive]
+    key = _keys(yc)
+    if kv is not None:  # top-k: counts
+        sel = k_on[r]
+        ones = torch.ones(int(sel.sum()), 1, dtype=torch.int64, device=dev)
+        tk, found = _select_threshold(su.group)(
+            r[sel], key[sel], ones, nb, lambda total: kv.view(-1, 1)
+        )
+        thr_key = torch.where(k_on & found, tk, thr_key)
+        alive = key >= thr_key[r]
+        r, c, yc, key = r[alive], c[alive], yc[alive], key[alive]
+    if pv is None:
+        return r, c, yc, thr_key, retry
+    # top-p: masses
+    sel = p_on[r]
+    qh, ql = _masses(yc[sel].to(torch.float64) - mx64[r[sel]])
+    whole = su.s_full[rows] if su.s_full is not None else None
+
+    def need(total):
+        if whole is not None:
+            total = torch.where(pure.unsqueeze(-1), whole, total)
+        return _ceil_fraction(pv, total)
+
+    weights = torch.stack([qh, ql], 1)
+    tp, found = _select_threshold(su.group)(r[sel], key[sel], weights, nb, need)
+    retry = p_on & pure & ~found & ~relax
+    thr_key = torch.where(p_on & found, torch.maximum(tp, thr_key), thr_key)
+    alive = key >= thr_key[r]
+    return r[alive], c[alive], yc[alive], thr_key, retry
 
 
 class _Built:
@@ -492,51 +646,56 @@ def _rows_of(value, rows, nb, device, dtype):
 CHUNK = 128  # columns per chunk of the top-k shortcut
 
 
-def _topk_candidates(xb, tau, kv, rows_k, any_on):
-    """The columns top-k can keep, found from the maxima of chunks of CHUNK columns:
-    the k-th largest chunk maximum is a value that k distinct columns reach, so the k-th
-    largest y is not below it, and every column at or above it lies in a chunk whose
-    maximum is (a positive temperature keeps the order of the raw logits). Returns
-    (rows, columns, y) of every column whose y is >= that value, or None when the
-    shortcut does not apply (a row with another cut, fewer chunks than k, or a NaN or
-    +inf among the values it reads: then the caller scans the whole block)."""
+def _topk_candidates(su: _Setup, rows: slice, kv, rows_k, any_on):
+    """The columns top-k can keep, found from the maxima of chunks of CHUNK columns
+    (Backend.chunk_max): the k-th largest chunk maximum is a value that k distinct
+    columns reach, so the k-th largest y is not below it, and every column at or above it
+    lies in a chunk whose maximum is. Returns (rows, columns, y) of every column whose y
+    is >= that value, or None when the shortcut does not apply (a row with another cut,
+    fewer than 2k chunks, or a NaN or +inf in the block: then the caller scans it)."""
     if not bool((rows_k == any_on).all()):
         return None
-    nb, v = xb.shape
+    cy = su.cmax[rows]
+    chunks = cy.shape[1]
     kmax = int(kv[rows_k].max())
-    full = v // CHUNK
-    if full + (v % CHUNK > 0) < 2 * kmax:
-        return None
-    main = xb[:, : full * CHUNK].reshape(nb, full, CHUNK)
-    cmax = main.float().amax(-1)  # NaN propagates
-    if v % CHUNK:
-        cmax = torch.cat([cmax, xb[:, full * CHUNK :].float().amax(-1, keepdim=True)], 1)
-    cy = contract.scaled_logits(cmax, tau)  # the y of each chunk's largest column
-    if not bool((cy < float("inf")).all()):  # a NaN or +inf y: the row is bad, scan it
+    if chunks < 2 * kmax or not bool((cy < float("inf")).all()):
         return None
     vals = torch.topk(cy, kmax, dim=-1).values  # sorted, largest first
     kth = vals.gather(1, (kv.clamp(1, kmax) - 1).unsqueeze(-1))
     kth = torch.where(rows_k.unsqueeze(-1), kth, float("inf"))
     rr, cc = torch.nonzero(cy >= kth, as_tuple=True)
+    x, dev = su.x, cy.device
+    real = su.call.plan.real_columns(x.shape[-1])
+    full = real // CHUNK
     tail = cc == full  # the last, partial chunk
-    rows, cols, ys = [], [], []
-    for part, width in ((~tail, CHUNK), (tail, v - full * CHUNK)):
+    out_r, out_c, out_y = [], [], []
+    for part, width in ((~tail, CHUNK), (tail, real - full * CHUNK)):
         r, ch = rr[part], cc[part]
         if r.numel() == 0:
             continue
-        span = torch.arange(width, device=xb.device)
-        col = ch.unsqueeze(-1) * CHUNK + span  # (m, width)
-        vals = xb[r.unsqueeze(-1), col]
-        t = tau[r] if isinstance(tau, torch.Tensor) else tau
-        y = contract.scaled_logits(vals, t)
-        hit = y >= kth[r]
-        rows.append(r.unsqueeze(-1).expand_as(col)[hit])
-        cols.append(col[hit])
-        ys.append(y[hit])
-    if not rows:
-        empty = torch.zeros(0, dtype=torch.int64, device=xb.device)
-        return empty, empty, torch.zeros(0, dtype=torch.float32, device=xb.device)
-    return torch.cat(rows), torch.cat(cols), torch.cat(ys)
+        g = r + rows.start
+        if width == CHUNK:  # whole chunks: (m, CHUNK) slices of a view, no index per column
+            view = x[..., : full * CHUNK].unfold(-1, CHUNK, CHUNK)  # (..., full, CHUNK)
+            if x.dim() == 2:
+                vals = view[g, ch]
+            else:
+                vals = view[g // x.shape[1], g % x.shape[1], ch]
+        else:
+            col = full * CHUNK + torch.arange(width, device=dev)
+            vals = _at(x, g.unsqueeze(-1), col.unsqueeze(0))
+        tau = _tau_of(su.call, g)
+        y = contract.scaled_logits(
+            vals, tau.unsqueeze(-1) if isinstance(tau, torch.Tensor) else tau
+        )
+        at = (y >= kth[r]).view(-1).nonzero().squeeze(1)  # few: one flat nonzero
+        piece = at // width
+        out_r.append(r[piece])
+        out_c.append(ch[piece] * CHUNK + at % width)
+        out_y.append(y.view(-1)[at])
+    if not out_r:
+        empty = torch.zeros(0, dtype=torch.int64, device=dev)
+        return empty, empty, torch.zeros(0, dtype=torch.float32, device=dev)
+    return torch.cat(out_r), torch.cat(out_c), torch.cat(out_y)
 
 
 def _floors(y, ok, mx64, mv, m_on, kv, k_on):
@@ -597,33 +756,34 @@ def _ranks_text(check, shape) -> str:
     return "the ranks of tp_group disagree on the call (its options or the vocab shards)"
 
 
-def _poisoned(n, v_local, device, check):
+def _poisoned(n, device, check) -> _Cut:
     nan = torch.full((n,), float("nan"), dtype=torch.float32, device=device)
     return _Cut(
-        torch.zeros(n, v_local, dtype=torch.bool, device=device), nan, nan,
-        torch.full((n,), -1, dtype=torch.int64, device=device),
+        [], nan, nan, torch.full((n,), -1, dtype=torch.int64, device=device),
         torch.zeros(n, dtype=torch.bool, device=device),
-        torch.ones(n, dtype=torch.bool, device=device), check, [], 0,
-    ), None  # fmt: skip
+        torch.ones(n, dtype=torch.bool, device=device), check, [], None,
+    )  # fmt: skip
 
 
 def _mask_result(cut: _Cut, logits, target, options) -> SamplingMask:
     shape = tuple(target.shape)
+    device = cut.threshold.device
     if options is None:
-        m = torch.full(shape, float("nan"), device=cut.threshold.device)
-        greedy = torch.zeros(shape, dtype=torch.bool, device=cut.threshold.device)
+        m = torch.full(shape, float("nan"), device=device)
+        greedy = torch.zeros(shape, dtype=torch.bool, device=device)
     else:
         mv = options[3]
         m = (
             mv.view(shape)
             if isinstance(mv, torch.Tensor)
-            else torch.full(shape, 0.0 if mv is None else mv, device=cut.threshold.device)
+            else torch.full(shape, 0.0 if mv is None else mv, device=device)
         )
         greedy = options[5].view(shape)
         m = torch.where(greedy, torch.zeros_like(m), m)
+    keep = _keep_mask(cut, target.numel(), logits.shape[-1], device)
     return SamplingMask(
-        cut.keep.view(*shape, logits.shape[-1]),
-        cut.threshold.view(shape), m, cut.row_max.view(shape), greedy,
+        keep.view(*shape, logits.shape[-1]), cut.threshold.view(shape), m,
+        cut.row_max.view(shape), greedy,
     )  # fmt: skip
 
 
@@ -702,8 +862,11 @@ def processed_logprobs(
             min_p=min_p, tp_group=tp_group, vocab_start=vocab_start, vocab_size=vocab_size,
             ignore_index=ignore_index, validate=validate, backend=backend,
         )  # fmt: skip
-    mask = _mask_result(cut, vocab_parallel_logits, target, options)
     shape = tuple(target.shape)
+
+    def mask():
+        return _mask_result(cut, vocab_parallel_logits, target, options)
+
     if options is None:  # the ranks disagree (validate=False): NaN everywhere
         res = selected_logprobs(
             vocab_parallel_logits, target, tp_group=tp_group, vocab_start=vocab_start,
@@ -715,28 +878,94 @@ def processed_logprobs(
             res.logprobs * nan, None if res.entropy is None else res.entropy * nan,
             res.lse * nan,
         )  # fmt: skip
-        out.dropped = torch.zeros(shape, dtype=torch.bool, device=nan.device)
-        out.num_dropped = out.dropped.sum()
-        out.mask = mask
-        return out
+        return _with_cut(out, torch.zeros(shape, dtype=torch.bool, device=nan.device), mask)
     tau = options[4]
     t = target.reshape(-1).to(torch.int64)
     dropped = cut.dropped
-    t_used = torch.where(dropped, cut.argmax, t).view(shape).to(target.dtype)
-    tau_arg = tau.view(shape) if isinstance(tau, torch.Tensor) else tau
-    res = selected_logprobs(
-        vocab_parallel_logits, t_used, tp_group=tp_group, vocab_start=vocab_start,
-        vocab_size=vocab_size, temperature=tau_arg, keep_mask=mask.keep_mask,
-        ignore_index=ignore_index, with_entropy=with_entropy, validate=validate,
-        backend=backend,
-    )  # fmt: skip
+    t_used = torch.where(dropped, cut.argmax, t)
+    if torch.is_grad_enabled() and vocab_parallel_logits.requires_grad:
+        # the gradient flows through selected_logprobs over the keep mask
+        tau_arg = tau.view(shape) if isinstance(tau, torch.Tensor) else tau
+        m = mask()
+        res = selected_logprobs(
+            vocab_parallel_logits, t_used.view(shape).to(target.dtype), tp_group=tp_group,
+            vocab_start=vocab_start, vocab_size=vocab_size, temperature=tau_arg,
+            keep_mask=m.keep_mask, ignore_index=ignore_index, with_entropy=with_entropy,
+            validate=validate, backend=backend,
+        )  # fmt: skip
+        lp, entropy, lse = res
+        mask = m
+    else:  # the same bits from the kept lists: no keep mask, no second pass
+        with distributed.serialized(group):
+            fin = _processed_forward(cut, t_used, with_entropy, validate)
+        lp, entropy, lse = (v.view(shape) for v in (fin.logprobs, fin.entropy, fin.lse))
+        entropy = entropy if with_entropy else None
     dropped = dropped.view(shape)
-    lp = torch.where(dropped, torch.full_like(res.logprobs, float("-inf")), res.logprobs)
-    out = ProcessedLogprobs(lp, res.entropy, res.lse)
+    lp = torch.where(dropped & ~torch.isnan(lp), float("-inf"), lp)  # a bad row stays NaN
+    return _with_cut(ProcessedLogprobs(lp, entropy, lse), dropped, mask)
+
+
+def _with_cut(out: ProcessedLogprobs, dropped, mask) -> ProcessedLogprobs:
+    """`out` with its dropped targets and its SamplingMask (or what builds it on first
+    read of `out.mask`)."""
     out.dropped = dropped
     out.num_dropped = dropped.sum()
-    out.mask = mask
+    if isinstance(mask, SamplingMask):
+        out.__dict__["mask"] = mask
+    else:
+        out._build_mask = mask
     return out
+
+
+def _processed_forward(cut: _Cut, target, with_entropy: bool, validate: bool):
+    """contract.Finalized of the log-softmax over the kept set, from the kept lists: the
+    record of a cut row sums its kept columns' terms (exact integers, so the order and
+    the columns left out, whose terms are not in the sum, change nothing), the same
+    record as the partials pass over the keep mask; rows without a cut take that pass."""
+    su = cut.setup
+    x, call, group = su.x, su.call, su.group
+    n, v_local = target.shape[0], x.shape[-1]
+    plan = dataclasses.replace(call.plan, with_entropy=with_entropy)
+    m64 = su.row_max.to(torch.float64)
+    if all(bool(b.cut.all()) for b in cut.blocks):
+        record = torch.zeros(n, contract.NUM_COLS, dtype=torch.int64, device=x.device)
+        owned = plan.target_columns(target, v_local)
+        g = torch.nonzero(owned >= 0).flatten()
+        tau = _tau_of(call, g)
+        y_t = contract.scaled_logits(_at(x, g, owned[g]), tau)
+        record[g, contract.COL_TARGET_BITS] = y_t.view(torch.int32).to(torch.int64)
+        record[:, contract.COL_OWNERS] = (owned >= 0).to(torch.int64)
+    else:
+        record = call.backend.partials(x, target, call.temperature, None, su.row_max, plan)
+        owned = plan.target_columns(target, v_local)
+    kept = _kept_at(cut.blocks, owned, su)
+    record[:, contract.COL_TARGET_MASKED] = ((owned >= 0) & ~kept).to(torch.int64)
+    cols = [contract.COL_E_HI, contract.COL_E_LO, contract.COL_W_HI, contract.COL_W_LO]
+    cols = cols[: 4 if with_entropy else 2]
+    for b in cut.blocks:
+        if not bool(b.cut.any()):
+            continue
+        nb = b.rows.stop - b.rows.start
+        limbs = contract.term_limbs(b.y.to(torch.float64) - m64[b.r + b.rows.start], with_entropy)
+        sums = torch.zeros(nb, len(cols), dtype=torch.int64, device=x.device)
+        sums.index_add_(0, b.r, torch.stack(limbs, 1))
+        part = record[b.rows]  # a view
+        for i, col in enumerate(cols):
+            part[:, col] = torch.where(b.cut, sums[:, i], part[:, col])
+        nonfinite = b.bad.sum(1) if b.bad is not None else torch.zeros_like(sums[:, 0])
+        part[:, contract.COL_NONFINITE] = torch.where(
+            b.cut, nonfinite, part[:, contract.COL_NONFINITE]
+        )
+    if group.distributed and n:
+        distributed.all_reduce_sum_(record, group)
+    ranks = cut.check
+    fin = call.backend.finalize(
+        su.row_max, record, target, plan.vocab_size, plan.ignore_index,
+        call.temperature.bad(), None if ranks is None else ranks.poison,
+    )  # fmt: skip
+    if validate:
+        validation.raise_for_bad_rows(fin.bad, record, target, call, ranks)
+    return fin
 
 
 @eager_only
@@ -796,10 +1025,13 @@ def _describe(v) -> str:
 def _draw(cut: _Cut, options, u, group, logits) -> torch.Tensor:
     """Inverse CDF over global ids on the exact masses of the kept set."""
     greedy = options[5]
-    device = cut.keep.device
+    device = cut.threshold.device
     out = cut.argmax.clone()
     size = group.size
-    for rows, y, mx64, kept in cut.y_blocks:
+    keep = _keep_mask(cut, out.shape[0], logits.shape[-1], device)
+    start = cut.setup.start
+    for rows, y, mx64 in cut.y_blocks:
+        kept = keep[rows]
         nb = y.shape[0]
         r, c = torch.nonzero(kept & (y < float("inf")), as_tuple=True)  # row-major: ids ascend
         qh, ql = _masses(y[r, c].to(torch.float64) - mx64[r])
@@ -807,7 +1039,7 @@ def _draw(cut: _Cut, options, u, group, logits) -> torch.Tensor:
         tot = torch.zeros(size, nb + 1, 2, dtype=torch.int64, device=device)
         tot[group.rank, :nb, 0].index_add_(0, r, qh)
         tot[group.rank, :nb, 1].index_add_(0, r, ql)
-        tot[group.rank, nb, 0] = cut.start
+        tot[group.rank, nb, 0] = start
         tot = distributed.all_reduce_sum_(tot, group)
         starts = [int(v) for v in tot[:, nb, 0].tolist()]
         order = sorted(range(size), key=lambda rank: starts[rank])
@@ -832,7 +1064,7 @@ def _draw(cut: _Cut, options, u, group, logits) -> torch.Tensor:
             ul = torch.full_like(cl, left & _MASK)
             above = ~_ge(uh, ul, ch, cl)  # cumulative mass > U
             j = int(above.to(torch.int64).argmax())
-            pick[i] = int(c[lo_i + j]) + cut.start + 1  # + 1: 0 means "another rank"
+            pick[i] = int(c[lo_i + j]) + start + 1  # + 1: 0 means "another rank"
         pick = distributed.all_reduce_sum_(pick, group)
         drawn = torch.where(pick > 0, pick - 1, torch.full_like(pick, -1))
         out[rows] = torch.where(greedy[rows], cut.argmax[rows], drawn)
