@@ -380,7 +380,7 @@ def _cut(
 
     built = agreement.checked(group, validate, device, lambda: _Built(build()))
     call, k, p, m, tau, greedy = built.value
-    x = row_view(logits)
+    x = row_view(logits.detach())
     n, v_local = num_rows(x), x.shape[-1]
     t = target.reshape(-1).to(torch.int64)
     start, vsize = call.plan.vocab_start, call.plan.vocab_size
@@ -674,28 +674,67 @@ def _topk_candidates(su: _Setup, rows: slice, kv, rows_k, any_on):
         if r.numel() == 0:
             continue
         g = r + rows.start
-        if width == CHUNK:  # whole chunks: (m, CHUNK) slices of a view, no index per column
-            view = x[..., : full * CHUNK].unfold(-1, CHUNK, CHUNK)  # (..., full, CHUNK)
-            if x.dim() == 2:
-                vals = view[g, ch]
-            else:
-                vals = view[g // x.shape[1], g % x.shape[1], ch]
+        if width == CHUNK:
+            vals = _whole_chunks(x, g, ch)
         else:
             col = full * CHUNK + torch.arange(width, device=dev)
             vals = _at(x, g.unsqueeze(-1), col.unsqueeze(0))
         tau = _tau_of(su.call, g)
-        y = contract.scaled_logits(
-            vals, tau.unsqueeze(-1) if isinstance(tau, torch.Tensor) else tau
-        )
-        at = (y >= kth[r]).view(-1).nonzero().squeeze(1)  # few: one flat nonzero
+        # a first filter on the logits themselves (no conversion of every value), then
+        # y of the few that pass
+        at = (vals >= _raw_floor(kth[r], tau, vals.dtype)).view(-1).nonzero().squeeze(1)
         piece = at // width
+        y = contract.scaled_logits(
+            vals.view(-1)[at], tau[piece] if isinstance(tau, torch.Tensor) else tau
+        )
+        hit = y >= kth[r[piece], 0]
+        at, piece = at[hit], piece[hit]
         out_r.append(r[piece])
         out_c.append(ch[piece] * CHUNK + at % width)
-        out_y.append(y.view(-1)[at])
+        out_y.append(y[hit])
     if not out_r:
         empty = torch.zeros(0, dtype=torch.int64, device=dev)
         return empty, empty, torch.zeros(0, dtype=torch.float32, device=dev)
     return torch.cat(out_r), torch.cat(out_c), torch.cat(out_y)
+
+
+def _whole_chunks(x: torch.Tensor, rows: torch.Tensor, chunks: torch.Tensor) -> torch.Tensor:
+    """(m, CHUNK) logits of whole chunk `chunks[i]` of global row `rows[i]` of a row_view:
+    one copy of CHUNK contiguous values per chunk (index_select over an overlapping view
+    of the logits' memory, as integers of their width), not one index per value."""
+    if x.stride(-1) != 1:
+        view = x.unfold(-1, CHUNK, CHUNK)  # (..., chunks, CHUNK)
+        if x.dim() == 2:
+            return view[rows, chunks]
+        return view[rows // x.shape[1], rows % x.shape[1], chunks]
+    if x.dim() == 2:
+        start = rows * x.stride(0)
+    else:
+        start = (rows // x.shape[1]) * x.stride(0) + (rows % x.shape[1]) * x.stride(1)
+    start = start + chunks * CHUNK
+    extent = 1 + sum((n - 1) * st for n, st in zip(x.shape, x.stride(), strict=True))
+    bits = x.view(_SAME_WIDTH[x.element_size()])
+    windows = bits.as_strided((extent - CHUNK + 1, CHUNK), (1, 1), x.storage_offset())
+    return torch.index_select(windows, 0, start).view(x.dtype)
+
+
+_SAME_WIDTH = {2: torch.int16, 4: torch.int32}
+
+
+def _raw_floor(kth: torch.Tensor, tau, dtype: torch.dtype) -> torch.Tensor:
+    """(m, 1) in the logits' dtype: a bound below which no logit x has y = fl(x / tau) >=
+    kth. IEEE division is off by at most 2^-24 relative (2^-150 absolute below the normal
+    range), so y >= kth needs x >= tau kth - tau |kth| 2^-24 - tau 2^-150; the bound is
+    taken 2^-6 relative and 2^-20 (fp16) or 2^-120 absolute lower still, so that rounding
+    it to the dtype (half an ulp: 2^-9 relative at most; 2^-25 / 2^-134 absolute in the
+    subnormals) keeps it below. +-inf stay as they are."""
+    t = tau.unsqueeze(-1).to(torch.float64) if isinstance(tau, torch.Tensor) else tau
+    b = kth.to(torch.float64) * t
+    tiny = (2.0**-20 if dtype == torch.float16 else 2.0**-120) * (
+        t.clamp(min=1.0) if isinstance(t, torch.Tensor) else max(t, 1.0)
+    )
+    low = torch.where(torch.isfinite(b), b - b.abs() * 2.0**-6 - tiny, b)
+    return low.to(dtype)
 
 
 def _floors(y, ok, mx64, mv, m_on, kv, k_on):
