@@ -39,10 +39,11 @@ def test_compiled_kernels_keep_the_contract(tmp_path):
     if done.returncode == 2:
         pytest.skip(f"Triton cannot compile for sm_90 here: {done.stdout.strip()}")
     assert done.returncode == 0, done.stdout + done.stderr
-    # max, terms, finalize, gradient, the value tables' kernels and the exact GEMM, at the
-    # Qwen3-Next shape and at one row (a decode step), and the fused head's two kernels:
-    # all compile and keep the contract
-    assert done.stdout.count("| yes |") == 23 and "| NO |" not in done.stdout, done.stdout
+    # max, terms, finalize, gradient, the exact cut's chunk maxima, the value tables'
+    # kernels and the exact GEMM, at the Qwen3-Next shape and at one row (a decode step),
+    # and the fused head's two kernels: all compile and keep the contract
+    assert done.stdout.count("| yes |") == 25 and "| NO |" not in done.stdout, done.stdout
+    assert "| chunk_max[bfloat16+tau] | yes |" in done.stdout, done.stdout
     assert "| head_logits_kernel" in done.stdout or "| head[" in done.stdout, done.stdout
     assert "| finalize[" in done.stdout and ":sums |" in done.stdout, done.stdout
     assert "| exact_dot[rows=1] | yes |" in done.stdout, done.stdout

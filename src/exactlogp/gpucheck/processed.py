@@ -6,6 +6,12 @@ per-row thresholds), `sampling_mask` and `sample` with the same uniforms, on the
 output compared bit for bit; and their latency beside the plain forward and an eager
 sort-based top-p sampler (CUDA events, interleaved). The cut's definition is
 docs/numerics.md section 13.
+
+The cut's one full read of the logits, Backend.chunk_max (the maxima of y over chunks of
+sampling.CHUNK columns), has a Triton kernel: its bits against the torch default
+(base.Backend.chunk_max) on the same device at 1024 x 151936 bf16, with NaN, +inf, -inf
+and -0 columns, a scalar and a per-row temperature and a padded shard; and its time beside
+the max pass, which reads the same bytes.
 """
 
 from __future__ import annotations
@@ -14,7 +20,11 @@ import torch
 
 import exactlogp
 
+from ..backends import ShardPlan, get_backend
+from ..backends.base import Backend
 from ..report import measure
+from ..sampling import CHUNK
+from ..temperature import Temperature
 from ..testing import compare_bits, llm_like_logits
 from .speed import clock
 
@@ -57,6 +67,30 @@ def run_bits(device: torch.device, tiny: bool, log) -> list[dict]:
         for output in want:
             rows.append({"case": f"processed {n}x{v} {name}", "entropy": True,
                          "output": output, **compare_bits(got[output], want[output])})  # fmt: skip
+    return rows + chunk_max_bits(device, tiny, log)
+
+
+def chunk_max_bits(device: torch.device, tiny: bool, log) -> list[dict]:
+    """The Triton chunk_max kernel against the torch default, both on `device`."""
+    n, v = (4, 300) if tiny else (1024, 151936)
+    x, _ = llm_like_logits(n, v, torch.bfloat16, 33, device)
+    x[0, 5], x[1, 200] = float("nan"), float("inf")  # a NaN chunk, a +inf chunk
+    x[2, : 2 * CHUNK] = float("-inf")  # two chunks of -inf only
+    x[3, CHUNK : 2 * CHUNK] = -x[3, CHUNK : 2 * CHUNK].abs()  # a chunk whose max is -0
+    x[3, CHUNK + 7] = -0.0
+    tri = get_backend("triton", device)
+    per_row = Temperature.of(torch.linspace(0.25, 2.0, n, device=device))
+    cases = {
+        "tau 0.8": (Temperature.of(0.8), ShardPlan(0, None, -100, False)),
+        "per-row tau, padded (tail chunk)": (per_row, ShardPlan(0, v - 100, -100, False)),
+    }
+    rows = []
+    for name, (tau, plan) in cases.items():
+        log(f"  chunk_max {n} x {v} bf16, {name}: Triton kernel vs torch default on {device}")
+        got = tri.chunk_max(x, tau, plan, CHUNK)
+        want = Backend.chunk_max(tri, x, tau, plan, CHUNK)
+        rows.append({"case": f"chunk_max {n}x{v} {name}", "entropy": False,
+                     "output": "chunk maxima", **compare_bits(got, want)})  # fmt: skip
     return rows
 
 
@@ -65,6 +99,8 @@ def latency(device: torch.device, tiny: bool, repeats: int, warmup: int, log) ->
     n, v = (4, 300) if tiny else (1024, 151936)
     x, target = llm_like_logits(n, v, torch.bfloat16, 32, device)
     xf = x[:64].float()
+    tri, tau = get_backend("triton", device), Temperature.of(0.8)
+    plan = ShardPlan(0, None, -100, False)
 
     def sorted_top_p():  # what a sampler without the exact cut runs: sort, softmax, cumsum
         s, idx = torch.sort(xf / 0.8, dim=-1, descending=True)
@@ -84,6 +120,14 @@ def latency(device: torch.device, tiny: bool, repeats: int, warmup: int, log) ->
             x[:64], temperature=0.8, top_p=0.9, validate=False
         ),
         "sort-based top-p sampling, 64 rows (eager torch)": sorted_top_p,
+        # the cut's read of the logits beside the max pass, which reads the same bytes
+        "max pass alone (Triton row_max)": lambda: tri.row_max(x, tau, None, plan),
+        f"chunk_max alone (Triton kernel, chunks of {CHUNK})": lambda: tri.chunk_max(
+            x, tau, plan, CHUNK
+        ),
+        f"chunk_max alone (torch default, chunks of {CHUNK})": lambda: Backend.chunk_max(
+            tri, x, tau, plan, CHUNK
+        ),
     }
     seconds = measure.interleaved(steps, repeats, warmup=warmup, clock=clock(device))
     rows = []
@@ -91,5 +135,7 @@ def latency(device: torch.device, tiny: bool, repeats: int, warmup: int, log) ->
         t = measure.Timing.of(seconds[name])
         rows.append({"shape": "processed", "rows": n, "cols": v, "candidate": name,
                      "forward": vars(t), "forward_backward": None, "host_forward": None})  # fmt: skip
-        log(f"  {name}: {t.median * 1e6:.1f} us")
+        gbs = x.numel() * x.element_size() / t.median / 1e9
+        log(f"  {name}: {t.median * 1e6:.1f} us"
+            + (f" ({gbs:.0f} GB/s of logits read)" if "alone" in name else ""))  # fmt: skip
     return rows

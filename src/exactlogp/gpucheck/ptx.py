@@ -15,7 +15,8 @@ any machine, so these checks run in CI:
 It also reports registers, spills, fp64 divisions and SASS instruction counts (DFMA must
 be 0 outside the IEEE fp64 division sequences, so it is checked on the kernels without a
 division: the max and partials passes). Kernels: max pass, partials pass, finalize, gradient,
-the value tables' kernels and the exact LM head's int8 GEMM (integer only).
+the exact cut's chunk maxima, the value tables' kernels and the exact LM head's int8 GEMM
+(integer only).
 What is compiled is the specialisation a GPU run JITs: launch.py's own launch on the
 Qwen3-Next shape is captured (its arguments, launch options and grid) and bound by
 Triton's own binder, so the dtypes, divisibility hints and constexprs are the real ones.
@@ -49,6 +50,7 @@ from triton.compiler import ASTSource
 from .. import contract
 from ..backends import ShardPlan
 from ..backends.triton import kernels, launch, linear_kernels, prepare, value_tables
+from ..sampling import CHUNK
 from ..temperature import Temperature
 
 INTERPRETED = "run without TRITON_INTERPRET=1: the check compiles the kernels"
@@ -60,7 +62,8 @@ ROWS, VOCAB, SMS = 1024, 151936, 132
 @dataclass(frozen=True)
 class Variant:
     kernel: str  # "row_max" | "partials" | "grad" | "finalize" | "tables" | "tables_grad"
-    #              | "exact_dot" | "head" (the fused LM head: head_slices, head_logits)
+    #              | "chunk_max" | "exact_dot" | "head" (the fused LM head: head_slices,
+    #              head_logits)
     dtype: torch.dtype | None  # of the logits (head: of the hidden states); None for
     #                            finalize and exact_dot
     flags: tuple[str, ...] = ()  # "tau", "keep", "entropy"; finalize: "vocab_size", "bad_tau"
@@ -84,6 +87,7 @@ def variants(quick: bool) -> list[Variant]:
         # gradients, the gather and the target column
         Variant("tables", bf16, ("tau", "keep", "entropy")),
         Variant("tables_grad", bf16, ("tau", "keep", "entropy")),
+        Variant("chunk_max", bf16, ("tau",)),  # the exact cut's chunk maxima (sampling.CHUNK)
         Variant("exact_dot", None),
         Variant("head", bf16),
         # a decode step: one row
@@ -92,6 +96,7 @@ def variants(quick: bool) -> list[Variant]:
         Variant("finalize", None, ("vocab_size", "bad_tau", "disagree"), rows=1),
         Variant("grad", bf16, ("tau", "keep", "entropy"), rows=1),
         Variant("tables", bf16, ("tau", "keep", "entropy"), rows=1),
+        Variant("chunk_max", bf16, ("tau",), rows=1),
         Variant("exact_dot", None, rows=1),
     ]
     if quick:
@@ -124,7 +129,8 @@ class _Capture:
 
 
 _KERNELS = {
-    kernels: ("row_max_kernel", "partials_kernel", "finalize_kernel", "grad_kernel"),
+    kernels: ("row_max_kernel", "partials_kernel", "finalize_kernel", "grad_kernel",
+              "chunk_max_kernel"),
     value_tables: ("count_kernel", "list_kernel", "sums_kernel", "grad_values_kernel",
                    "gather_kernel", "grad_target_kernel"),
     linear_kernels: ("exact_dot_kernel", "head_slices_kernel", "head_logits_kernel"),
@@ -199,6 +205,8 @@ def _launch(v: Variant, rows: int, vocab: int) -> None:
                                empty(rows, dtype=torch.bool))  # fmt: skip
     if v.kernel == "row_max":
         launch.row_max(logits, tau, keep, plan)
+    elif v.kernel == "chunk_max":
+        launch.chunk_max(logits, tau, plan, CHUNK)
     elif v.kernel == "partials":
         launch.partials(logits, target, tau, keep, row_max, plan)
     elif v.kernel == "grad":
@@ -247,7 +255,9 @@ def allowed_f64_immediates(kernel: str) -> set[str]:
     return {_f64_hex(s * v) for v in values for s in (1.0, -1.0)}
 
 
-_FP32_OK = {"0f00000000", "0f80000000", "0f3F800000", "0fBF800000", "0f7F800000", "0fFF800000"}
+# +-0, +-1, +-inf, and the NaN the chunk maxima write for a chunk holding a NaN
+_FP32_OK = {"0f00000000", "0f80000000", "0f3F800000", "0fBF800000", "0f7F800000", "0fFF800000",
+            "0f7FC00000"}  # fmt: skip
 _FORBIDDEN = re.compile(
     r"\b(fma|ex2|lg2|sin|cos|tanh|rsqrt)\.|\b(rcp|sqrt)\.approx|\.ftz\b|\bdiv\.(full|approx)"
 )
@@ -306,7 +316,13 @@ def sass_report(cubin: bytes) -> tuple[int | None, str | None, dict]:
 
 
 # kernels without an fp64 division: no DFMA may appear in their SASS at all
-_NO_DIVISION = {"row_max_kernel", "partials_kernel", "sums_kernel", *_INTEGER_ONLY}
+_NO_DIVISION = {
+    "row_max_kernel",
+    "chunk_max_kernel",
+    "partials_kernel",
+    "sums_kernel",
+    *_INTEGER_ONLY,
+}
 
 
 def compile_and_check(v: Variant, arch: int) -> list[Result]:

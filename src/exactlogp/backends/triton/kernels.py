@@ -4,6 +4,7 @@ Each kernel replays `exactlogp.contract` operation for operation, so its bits ar
 reference's on any GPU and under the Triton interpreter:
 
   max pass     y = fp32(x) / tau -> running max of the valid, finite-or--inf y
+  chunk maxima max of fp32(x) over each chunk of columns, NaN flagged -> / tau (exact cut)
   partials pass    d = y - M (fp64) -> exp_c -> quantize -> int64 limb sums, target, counters
   finalize     record -> bad flags -> S (double-double) -> log_c -> outputs, per-row stats
   gradient     d -> exp_c -> p = e / fl(S) -> g -> g / tau -> fp32 -> logits dtype
@@ -259,6 +260,58 @@ def row_max_kernel(
         acc = tl.maximum(acc, tl.where(ok, y, float("-inf")))
     slot = row.to(tl.int64) * tl.num_programs(1) + tl.program_id(1)
     tl.store(out_ptr + slot, tl.max(acc, axis=0))
+
+
+# --- the chunk maxima of the exact cut (Backend.chunk_max) ---
+
+
+@triton.jit
+def chunk_max_kernel(
+    x_ptr,  # [N, V_local] logits, row stride stride_x (bf16 passed as int16)
+    tau_ptr,  # [N] fp32 temperature, stride_tau 0 for a scalar (unused unless HAS_TAU)
+    out_ptr,  # [N, n_chunks] fp32 chunk maxima of y
+    stride_x,  # between rows of a block
+    stride_tau,
+    rows_inner,  # rows per block (_row_ptr)
+    stride_x_outer,  # between blocks of rows
+    n_real,  # local columns below the padding
+    n_chunks,  # ceil(n_real / chunk)
+    chunk,  # columns per chunk
+    chunks_per_program,  # a multiple of BLOCK_C
+    IS_BF16: tl.constexpr,
+    HAS_TAU: tl.constexpr,
+    BLOCK_C: tl.constexpr,  # chunks per step of the loop
+    BLOCK_K: tl.constexpr,  # columns of a chunk per step (a power of two)
+):
+    """Each chunk's max of fp32(x) over its real columns, NaN where one of them is NaN
+    (an explicit flag: the max never sees a NaN), then y = max / tau by one IEEE division
+    per chunk, a zero as +0. IEEE division by a fixed tau is monotonic, so this is the max
+    of y (for tau > 0) and, for every tau, base.Backend.chunk_max's bits."""
+    row64 = tl.program_id(0).to(tl.int64)
+    tau = tl.load(tau_ptr + row64 * stride_tau) if HAS_TAU else 1.0
+    x_row = _row_ptr(x_ptr, row64, rows_inner, stride_x_outer, stride_x)
+    first = tl.program_id(1) * chunks_per_program
+    stop = tl.minimum(first + chunks_per_program, n_chunks)
+    offs_c = tl.arange(0, BLOCK_C)
+    offs_k = tl.arange(0, BLOCK_K)
+    nan = tl.full([BLOCK_C], NAN_F32, tl.int32).to(tl.float32, bitcast=True)
+    for c0 in range(first, stop, BLOCK_C):
+        chunks = c0 + offs_c
+        live = chunks < stop
+        top = tl.full([BLOCK_C], float("-inf"), tl.float32)
+        has_nan = tl.zeros([BLOCK_C], tl.int32)
+        for k0 in range(0, chunk, BLOCK_K):
+            k = k0 + offs_k
+            cols = chunks[:, None] * chunk + k[None, :]
+            in_range = live[:, None] & (k[None, :] < chunk) & (cols < n_real)
+            x, _ = _scaled(x_row, x_row, cols, in_range, 1.0, IS_BF16, False, False)
+            top = tl.maximum(top, tl.max(tl.where(in_range & (x == x), x, float("-inf")), 1))
+            has_nan = tl.maximum(has_nan, tl.max((in_range & (x != x)).to(tl.int32), 1))
+        top = tl.where(has_nan != 0, nan, top)
+        if HAS_TAU:
+            top = tl.math.div_rn(top, tau)  # IEEE fp32 division, round to nearest even
+        top = tl.where(top == 0.0, 0.0, top)  # -0 -> +0
+        tl.store(out_ptr + row64 * n_chunks + chunks, top, mask=live)
 
 
 # --- 3-5. the partials pass ---

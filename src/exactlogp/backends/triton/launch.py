@@ -18,6 +18,7 @@ import functools
 from dataclasses import dataclass
 
 import torch
+import triton
 
 from ... import contract
 from ...contract import GradStats
@@ -154,6 +155,35 @@ def grad(logits, target, temperature, keep_mask, stats: GradStats, plan: ShardPl
     return out.view(logits.shape)
 
 
+@on_device
+def chunk_max(logits, temperature, plan: ShardPlan, chunk: int, cfg=None):
+    """Backend.chunk_max: one program per (row, block of chunks), each step BLOCK_C chunks
+    of up to BLOCK_K columns (cfg.block_v columns in all, the max pass's width by default);
+    rows are split over programs only when they are few, as in the max pass."""
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+        raise ValueError(f"chunk must be a positive int, got {chunk!r}")
+    n = num_rows(logits)
+    n_chunks = -(-plan.real_columns(logits.shape[-1]) // chunk)
+    out = torch.empty(n, n_chunks, dtype=torch.float32, device=logits.device)
+    if n == 0 or n_chunks == 0:
+        return out
+    cfg = cfg or CONFIGS[logits.dtype].max_pass
+    block_k = min(triton.next_power_of_2(chunk), cfg.block_v)
+    block_c = max(1, cfg.block_v // block_k)
+    prep = prepare(logits, temperature, None, plan)
+    stride_x, _, stride_tau, rows_inner, stride_x_outer, _ = prep.row_args()
+    steps = LaunchConfig(block_c, cfg.num_warps)  # programs_per_row counts chunks here
+    parts, per_program = programs_per_row(n, n_chunks, steps, logits.device)
+    kernels.chunk_max_kernel[(n, parts)](
+        prep.x, prep.tau, out, stride_x, stride_tau, rows_inner, stride_x_outer,
+        prep.n_real, n_chunks, chunk, per_program,
+        IS_BF16=logits.dtype == torch.bfloat16, HAS_TAU=prep.has_tau, BLOCK_C=block_c,
+        BLOCK_K=block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        enable_fp_fusion=False,
+    )  # fmt: skip
+    return out
+
+
 # --- 7. finalize ---
 
 
@@ -285,6 +315,9 @@ class TritonBackend(Backend):
 
     def row_max(self, logits, temperature, keep_mask, plan):
         return row_max(logits, temperature, keep_mask, plan)
+
+    def chunk_max(self, logits, temperature, plan, chunk):
+        return chunk_max(logits, temperature, plan, chunk)
 
     def partials(self, logits, target, temperature, keep_mask, row_max_, plan):
         if self.uses_tables(logits, plan):
