@@ -424,12 +424,30 @@ def test_the_forward_alone_gives_the_bits_of_the_masked_pass(case, monkeypatch):
         tt = torch.where(t >= 1650, 5, t) if shard else t
         fwd = processed_logprobs(logits, tt, with_entropy=True, validate=False, **kw, **shard)
         xg = logits.clone().requires_grad_(True)
-        ref = processed_logprobs(xg, tt, with_entropy=True, validate=False, **kw, **shard)
-        for name in ("logprobs", "entropy", "lse"):
-            assert_bitwise_equal(getattr(fwd, name), getattr(ref, name).detach(), name)
-        assert torch.equal(fwd.dropped, ref.dropped)
-        assert torch.equal(fwd.mask.keep_mask, ref.mask.keep_mask)
+        got = processed_logprobs(xg, tt, with_entropy=True, validate=False, **kw, **shard)
+        # the definition: selected_logprobs over the keep mask (a dropped target's row
+        # scores a kept column instead: its logprob is -inf, its entropy and lse stand)
+        keep = fwd.mask.keep_mask
+        t_kept = torch.where(fwd.dropped, keep.to(torch.int8).argmax(-1), tt)
+        tau = kw.get("temperature", 1.0)
+        tau = torch.where(tau == 0, 1.0, tau) if isinstance(tau, torch.Tensor) else tau
+        xr = logits.clone().requires_grad_(True)
+        ref = selected_logprobs(xr, t_kept, keep_mask=keep, temperature=tau, with_entropy=True,
+                                validate=False, **shard)  # fmt: skip
+        ref_lp = torch.where(fwd.dropped, float("-inf"), ref.logprobs)
+        ref_lp = torch.where(torch.isnan(ref.logprobs), ref.logprobs, ref_lp)
+        for res in (fwd, got):
+            assert_bitwise_equal(res.logprobs.detach(), ref_lp.detach(), "logprobs")
+            assert_bitwise_equal(res.entropy.detach(), ref.entropy.detach(), "entropy")
+            assert_bitwise_equal(res.lse.detach(), ref.lse.detach(), "lse")
+        assert torch.equal(fwd.dropped, got.dropped) and bool(fwd.dropped[4])
+        assert torch.equal(fwd.mask.keep_mask, got.mask.keep_mask)
         assert bool(torch.isnan(fwd.logprobs[2])) == (logits is x) and fwd.logprobs[3] == 0
+        # the gradient: of the kept columns alone, the bits of the masked pass's
+        ok = ~fwd.dropped & ~torch.isnan(fwd.logprobs)
+        (got.logprobs[ok].sum() + got.entropy[ok].sum() - 0.5 * got.lse[ok].sum()).backward()
+        (ref.logprobs[ok].sum() + ref.entropy[ok].sum() - 0.5 * ref.lse[ok].sum()).backward()
+        assert_bitwise_equal(xg.grad, xr.grad, "gradient")
     k = kw.get("top_k")
     wide = isinstance(k, int) and k <= 7 and "min_p" not in kw
     assert any(c is not None for c in shortcut) == wide  # the shortcut ran where it can

@@ -11,7 +11,8 @@ q = Q(exp_c(y - M)) (integers on the 2^-84 grid), docs/numerics.md section 13:
 Each radix select runs 4 rounds of 256 bins over a 32-bit key of y that orders like the
 values; each round is one int64 all_reduce(SUM) of the bins, exact in any order, so every
 rank finds the same thresholds and no rank gathers the vocabulary. The processed logprob
-is then `selected_logprobs` over the kept set.
+is then the log-softmax over the kept set: `selected_logprobs` with the keep mask,
+summed from the kept columns alone.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import NamedTuple
 
 import torch
 
-from . import agreement, contract, distributed, validation
+from . import agreement, autograd, contract, distributed, validation
 from .api import LogprobResult, eager_only, selected_logprobs
 from .backends.base import num_rows, row_view, take_rows
 from .call import device_of, make_call
@@ -918,27 +919,22 @@ def processed_logprobs(
             res.lse * nan,
         )  # fmt: skip
         return _with_cut(out, torch.zeros(shape, dtype=torch.bool, device=nan.device), mask)
-    tau = options[4]
     t = target.reshape(-1).to(torch.int64)
     dropped = cut.dropped
     t_used = torch.where(dropped, cut.argmax, t)
-    if torch.is_grad_enabled() and vocab_parallel_logits.requires_grad:
-        # the gradient flows through selected_logprobs over the keep mask
-        tau_arg = tau.view(shape) if isinstance(tau, torch.Tensor) else tau
-        m = mask()
-        res = selected_logprobs(
-            vocab_parallel_logits, t_used.view(shape).to(target.dtype), tp_group=tp_group,
-            vocab_start=vocab_start, vocab_size=vocab_size, temperature=tau_arg,
-            keep_mask=m.keep_mask, ignore_index=ignore_index, with_entropy=with_entropy,
-            validate=validate, backend=backend,
-        )  # fmt: skip
-        lp, entropy, lse = res
-        mask = m
-    else:  # the same bits from the kept lists: no keep mask, no second pass
-        with distributed.serialized(group):
-            fin = _processed_forward(cut, t_used, with_entropy, validate)
-        lp, entropy, lse = (v.view(shape) for v in (fin.logprobs, fin.entropy, fin.lse))
-        entropy = entropy if with_entropy else None
+    su = cut.setup
+    call = dataclasses.replace(
+        su.call, plan=dataclasses.replace(su.call.plan, with_entropy=with_entropy)
+    )
+    with distributed.serialized(group):
+        if torch.is_grad_enabled() and vocab_parallel_logits.requires_grad:
+            rows = row_view(vocab_parallel_logits)
+            lp, entropy, lse = _ProcessedFunction.apply(rows, cut, t_used, call, validate)
+        else:
+            fin = _processed_forward(cut, t_used, call, validate).fin
+            lp, entropy, lse = fin.logprobs, fin.entropy, fin.lse
+    lp, lse = lp.view(shape), lse.view(shape)
+    entropy = entropy.view(shape) if with_entropy else None
     dropped = dropped.view(shape)
     lp = torch.where(dropped & ~torch.isnan(lp), float("-inf"), lp)  # a bad row stays NaN
     return _with_cut(ProcessedLogprobs(lp, entropy, lse), dropped, mask)
@@ -956,15 +952,15 @@ def _with_cut(out: ProcessedLogprobs, dropped, mask) -> ProcessedLogprobs:
     return out
 
 
-def _processed_forward(cut: _Cut, target, with_entropy: bool, validate: bool):
-    """contract.Finalized of the log-softmax over the kept set, from the kept lists: the
-    record of a cut row sums its kept columns' terms (exact integers, so the order and
-    the columns left out, whose terms are not in the sum, change nothing), the same
-    record as the partials pass over the keep mask; rows without a cut take that pass."""
+def _processed_forward(cut: _Cut, target, call, validate: bool) -> autograd.Forward:
+    """The log-softmax over the kept set, from the kept lists: the record of a cut row
+    sums its kept columns' terms (exact integers, so the order and the columns left out,
+    whose terms are not in the sum, change nothing), the same record as the partials pass
+    over the keep mask; rows without a cut take that pass. `call`: the cut's, with the
+    caller's with_entropy."""
     su = cut.setup
-    x, call, group = su.x, su.call, su.group
+    x, group, plan = su.x, su.group, call.plan
     n, v_local = target.shape[0], x.shape[-1]
-    plan = dataclasses.replace(call.plan, with_entropy=with_entropy)
     m64 = su.row_max.to(torch.float64)
     if all(bool(b.cut.all()) for b in cut.blocks):
         record = torch.zeros(n, contract.NUM_COLS, dtype=torch.int64, device=x.device)
@@ -980,6 +976,7 @@ def _processed_forward(cut: _Cut, target, with_entropy: bool, validate: bool):
     kept = _kept_at(cut.blocks, owned, su)
     record[:, contract.COL_TARGET_MASKED] = ((owned >= 0) & ~kept).to(torch.int64)
     cols = [contract.COL_E_HI, contract.COL_E_LO, contract.COL_W_HI, contract.COL_W_LO]
+    with_entropy = plan.with_entropy
     cols = cols[: 4 if with_entropy else 2]
     for b in cut.blocks:
         if not bool(b.cut.any()):
@@ -1004,7 +1001,31 @@ def _processed_forward(cut: _Cut, target, with_entropy: bool, validate: bool):
     )  # fmt: skip
     if validate:
         validation.raise_for_bad_rows(fin.bad, record, target, call, ranks)
-    return fin
+    return autograd.Forward(su.row_max, fin, record, ranks)
+
+
+class _ProcessedFunction(torch.autograd.Function):
+    """_processed_forward, and in backward the gradient of selected_logprobs over the keep
+    mask (backend.grad from the same row statistics: the same bits), the mask built then."""
+
+    @staticmethod
+    def forward(ctx, logits, cut, target, call, validate):
+        ctx.call, ctx.cut = call, cut
+        return autograd.save_forward(
+            ctx, (logits, target), _processed_forward(cut, target, call, validate)
+        )
+
+    @staticmethod
+    @autograd.once_differentiable
+    def backward(ctx, g_logprobs, g_entropy, g_lse):
+        inputs, stats, temperature = autograd.saved_grad_stats(ctx, (g_logprobs, g_entropy, g_lse))
+        logits, target = inputs
+        call = ctx.call
+        keep = _keep_mask(ctx.cut, target.shape[0], logits.shape[-1], logits.device)
+        grad = call.backend.grad(
+            logits, target, temperature, keep.view(logits.shape), stats, call.plan
+        )
+        return grad.view(logits.shape), None, None, None, None
 
 
 @eager_only
