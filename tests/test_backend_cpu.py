@@ -10,6 +10,8 @@ with the per-value tables of 16-bit rows (value_tables="always").
 
 from __future__ import annotations
 
+import ctypes
+import math
 import os
 import re
 import shutil
@@ -28,7 +30,7 @@ from exactlogp import contract
 from exactlogp.backends import ShardPlan, cpu_build, get_backend
 from exactlogp.contract import GradStats
 from exactlogp.temperature import ONE, Temperature
-from exactlogp.testing import assert_bitwise_equal, llm_like_logits, simulate_shards
+from exactlogp.testing import assert_bitwise_equal, bit_pattern, llm_like_logits, simulate_shards
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 CPU = torch.device("cpu")
@@ -850,3 +852,128 @@ def test_baseline_isa_build_matches_reference(cpu, ref):
         assert_bitwise_equal(impl.partials(x, target, tau, keep, m, plan), record, "record")
         expected = ref.grad(x, target, tau, keep, stats, plan)
         assert_bitwise_equal(impl.grad(x, target, tau, keep, stats, plan), expected, "grad")
+
+
+# --- the chunk maxima of the exact cut: the C kernel gives the torch default's bits ---
+
+
+def _chunk_rows(dtype: torch.dtype) -> torch.Tensor:
+    """9 rows of 1000 columns whose chunks of 128 (and 64) hold NaN, +inf, -inf and zeros
+    of both signs, in whole steps and in the row's short last step."""
+    gen = torch.Generator().manual_seed(31)
+    x = torch.randn(9, 1000, generator=gen) * 3
+    x[1, 5], x[1, 6], x[1, 300], x[1, 990] = float("nan"), float("inf"), float("inf"), float("nan")
+    x[2] = float("-inf")
+    x[2, 700] = 1.5  # one finite column, every other chunk all -inf
+    x[3] = 0.0
+    x[3, ::3] = -0.0
+    x[3, 128:256] = -0.0  # a chunk of -0 alone
+    x[4, 900:] = float("-inf")
+    x[4, 999] = float("nan")  # the last column
+    x[6] = torch.randint(-2, 3, (1000,), generator=gen).float()  # ties everywhere
+    x[7, 400], x[7, 401] = float("inf"), float("-inf")
+    x[8, 228] = float("nan")  # the second step of a chunk
+    return x.to(dtype)
+
+
+_CHUNK_TAUS = (
+    ONE,
+    Temperature.of(0.7),
+    Temperature.of(torch.tensor([0.7, 1.0, 2.5, 0.3, 1.0, 0.9, 1.7, 1e-3, 3.0])),
+    # bad per-row values (flagged by finalize): the kernel still gives the default's bits
+    Temperature.of(torch.tensor([0.7, 0.0, -1.0, float("inf"), float("nan"), -0.0, 1.7, 1, 3])),
+)
+# no padding; padding past vocab_size at an offset; fewer real columns than one step of a
+# chunk; no real column at all
+_CHUNK_PLANS = (
+    ShardPlan(0, None, -100, False),
+    ShardPlan(3000, 3900, -100, False),
+    ShardPlan(3000, 3100, -100, False),
+    ShardPlan(3000, 2000, -100, False),
+)
+
+
+def _assert_chunk_max_equal(backend, x, tau, plan, chunk, what=""):
+    from exactlogp.backends.base import Backend
+
+    got = backend.chunk_max(x, tau, plan, chunk)
+    want = Backend.chunk_max(backend, x, tau, plan, chunk)  # the torch default
+    chunks = -(-plan.real_columns(x.shape[-1]) // chunk)
+    assert got.shape == want.shape == (math.prod(x.shape[:-1]), chunks), what
+    assert torch.equal(torch.isnan(got), torch.isnan(want)), what
+    got_bits, want_bits = (bit_pattern(t.masked_fill(torch.isnan(t), 0.0)) for t in (got, want))
+    assert torch.equal(got_bits, want_bits), what  # +0 where the max is a zero
+    return got
+
+
+@pytest.mark.parametrize("isa", ["native", "avx2", "baseline"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_chunk_max_matches_the_torch_default(isa, dtype):
+    cpu = _build(isa, "never")
+    x = _chunk_rows(dtype)
+    for tau in _CHUNK_TAUS:
+        for plan in _CHUNK_PLANS:
+            for chunk in (128, 64, 1024):
+                _assert_chunk_max_equal(cpu, x, tau, plan, chunk, f"{isa} {tau} {plan} {chunk}")
+    got = cpu.chunk_max(x, ONE, _CHUNK_PLANS[0], 128)
+    assert torch.isnan(got[1, [0, 7]]).all() and got[1, 2] == float("inf")  # NaN before +inf
+    assert (got[2, :5] == float("-inf")).all() and got[2, 5] == 1.5
+    assert got[3].eq(0).all() and not torch.signbit(got[3]).any()  # -0 as +0
+    assert torch.isnan(got[4, 7]) and torch.isnan(got[8, 1]) and not torch.isnan(got[8, 0])
+
+
+@pytest.mark.parametrize("isa", ["native", "avx2", "baseline"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_chunk_max_on_one_and_two_threads(isa, dtype):
+    """Rows enough for two threads (cpu.MIN_ELEMENTS_PER_THREAD each), a NaN, a +inf and
+    per-row temperatures: both thread counts give the default's bits."""
+    x, _ = llm_like_logits(64, 4099, dtype, seed=32)
+    x[5, 4000], x[9, 17], x[9, 200] = float("nan"), float("inf"), float("-inf")
+    tau = Temperature.of(0.5 + torch.rand(64, generator=torch.Generator().manual_seed(33)))
+    plan = ShardPlan(0, 4090, -100, False)
+    results = [
+        _assert_chunk_max_equal(_build(isa, "never", num_threads=t), x, tau, plan, 128, f"{t}")
+        for t in (1, 2)
+    ]
+    assert_bitwise_equal(results[0], results[1], "threads")
+
+
+def test_chunk_max_reads_strided_rows():
+    """logits[:, :-1, :] of (B, T + 1, V) logits (rows not evenly spaced) and logits whose
+    columns are not adjacent, with a per-row temperature and padding."""
+    from exactlogp.backends.base import row_view
+
+    cpu = _build("native", "never")
+    full = _chunk_rows(torch.bfloat16)[:8].view(2, 4, 1000)
+    rows = row_view(full[:, :-1, :])
+    assert rows.dim() == 3
+    tau = Temperature.of(torch.tensor([0.7, 1.0, 2.5, 0.3, 1.0, 0.9]))
+    for plan in _CHUNK_PLANS[:2]:
+        _assert_chunk_max_equal(cpu, rows, tau, plan, 128, "(B, T, V) rows")
+    _assert_chunk_max_equal(cpu, full.view(8, 1000)[:, ::2], ONE, _CHUNK_PLANS[0], 64, "stride 2")
+
+
+def test_chunk_max_checks_its_chunk():
+    from exactlogp.backends.base import Backend
+
+    cpu = _build("native", "never")
+    x, plan = _chunk_rows(torch.float32), _CHUNK_PLANS[0]
+    for bad in (0, -128, 128.0, True, None):
+        for fn in (cpu.chunk_max, lambda *a: Backend.chunk_max(cpu, *a)):
+            with pytest.raises(ValueError, match=rf"chunk must be an int >= 1, got {bad!r}"):
+                fn(x, ONE, plan, bad)
+    for chunk in (100, 32, 1):  # not a multiple of the kernel's step: the torch default
+        _assert_chunk_max_equal(cpu, x, ONE, plan, chunk, f"chunk {chunk}")
+    whole_rows = _assert_chunk_max_equal(cpu, x, ONE, plan, 1 << 16, "one chunk per row")
+    assert_bitwise_equal(cpu.chunk_max(x, ONE, plan, 1 << 70), whole_rows, "a chunk past int64")
+    # the kernel itself refuses what it cannot take
+    out = torch.empty(9 * 8, dtype=torch.float32)
+    shard, _alive = cpu._shard(x, ONE, None, plan)
+    for chunk in (0, -64, 100, 64 + 1):
+        assert cpu._lib.elp_chunk_max(ctypes.byref(shard), chunk, out.data_ptr()) == -1
+    assert cpu._lib.elp_chunk_max(ctypes.byref(shard), (1 << 63) - 64, out.data_ptr()) == 0
+    assert_bitwise_equal(out[:9], whole_rows[:, 0], "the largest chunk the kernel takes")
+    keep = torch.ones(9, 1000, dtype=torch.bool)
+    masked, _alive_masked = cpu._shard(x, ONE, keep, plan)
+    assert cpu._lib.elp_chunk_max(ctypes.byref(masked), 128, out.data_ptr()) == -1
+    assert cpu._lib.elp_chunk_max(ctypes.byref(shard), 128, out.data_ptr()) == 0

@@ -85,6 +85,13 @@ def check_mode(option: str, value, modes: tuple[str, ...]) -> str:
     return value
 
 
+def check_chunk(chunk) -> int:
+    """chunk_max's `chunk` if it is an int >= 1, else a ValueError naming it."""
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+        raise ValueError(f"chunk must be an int >= 1, got {chunk!r}")
+    return chunk
+
+
 class Backend:
     """Interface; `logits` is a row_view of the shard, (N, V_local) or (B, T, V_local) with
     B * T = N rows, `target` (N,) int64 with global ids, `temperature` a
@@ -142,6 +149,7 @@ class Backend:
         is NaN, else +inf where one is +inf, and a zero max as +0. No keep mask. The exact
         cut's top-k shortcut reads it (exactlogp.sampling). This default is torch code:
         y = fp32(x) / tau is monotonic in x, so the max of y is y of the max of x."""
+        check_chunk(chunk)
         n, real = num_rows(logits), plan.real_columns(logits.shape[-1])
         chunks = -(-real // chunk)
         x = logits.reshape(n, logits.shape[-1])[:, :real]

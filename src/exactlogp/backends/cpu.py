@@ -1,16 +1,16 @@
 """The fused CPU backend: each pass is one multi-threaded, vectorised C kernel.
 
-row_max, partials, finalize and grad are C kernels that read the logits row by row and
-keep nothing of size [N, V] besides grad's output: the extra memory of forward is O(N)
-(logits whose columns are not adjacent in memory are copied once first). Without a TP
-group one kernel call runs the whole forward (`forward_unsharded`): each row is read once,
-its max taken from its distinct values where the value tables apply. The kernels
-(csrc/exactlogp_cpu.c, built by cpu_build) apply contract.py's IEEE operations in the
-same order, so every output is bitwise that of the reference backend. Long rows of 16-bit
-logits (and fp32 rows whose values are all exactly bf16) take the value-table path: the
-contract is evaluated once per distinct value of the row (a few thousand for an LLM's
-bf16 logits) instead of once per column, and the integer sums are the same (see the C
-source and docs/performance.md).
+row_max, chunk_max (the exact cut's per-chunk maxima), partials, finalize and grad are C
+kernels that read the logits row by row and keep nothing of size [N, V] besides grad's
+output: the extra memory of forward is O(N) (logits whose columns are not adjacent in
+memory are copied once first). Without a TP group one kernel call runs the whole forward
+(`forward_unsharded`): each row is read once, its max taken from its distinct values where
+the value tables apply. The kernels (csrc/exactlogp_cpu.c, built by cpu_build) apply
+contract.py's IEEE operations in the same order, so every output is bitwise that of the
+reference backend. Long rows of 16-bit logits (and fp32 rows whose values are all exactly
+bf16) take the value-table path: the contract is evaluated once per distinct value of the
+row (a few thousand for an LLM's bf16 logits) instead of once per column, and the integer
+sums are the same (see the C source and docs/performance.md).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch
 from .. import contract
 from ..contract import GradStats
 from . import cpu_build, in_forked_child
-from .base import VALUE_TABLE_MODES, Backend, ShardPlan, check_mode, num_rows
+from .base import VALUE_TABLE_MODES, Backend, ShardPlan, check_chunk, check_mode, num_rows
 
 # the kernels' dtype codes (elp_shard.dtype in the C source)
 _KERNEL_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -39,6 +39,9 @@ TABLE_MIN_COLS_BY_PASS = {
     "grad": {torch.bfloat16: 32768},
 }
 _ISA_NAMES = ("baseline", "avx2", "avx512")
+# elp_chunk_max takes chunks of a multiple of its step (64 columns with AVX-512, 32 in the
+# other builds): a multiple of 64 suits every build; other chunks take the torch default.
+CHUNK_MAX_STEP = 64
 
 
 class _Shard(ctypes.Structure):  # elp_shard in the C source
@@ -86,6 +89,7 @@ def _bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     shard, rows = ctypes.POINTER(_Shard), ctypes.POINTER(_Rows)
     signatures = {
         "elp_row_max": [shard, ptr],
+        "elp_chunk_max": [shard, i64, ptr],
         "elp_partials": [shard, ptr, ctypes.c_int32, ptr],
         "elp_forward": [shard, ctypes.c_int32, rows],
         "elp_finalize": [i64, ptr, i64, i64, ptr, ptr, rows],
@@ -234,6 +238,17 @@ class CpuBackend(Backend):
         out = torch.empty(num_rows(logits), dtype=torch.float32)
         shard, _alive = self._shard(logits, temperature, keep_mask, plan)
         self._check(self._lib.elp_row_max(ctypes.byref(shard), out.data_ptr()), "row max")
+        return out
+
+    def chunk_max(self, logits, temperature, plan, chunk):
+        if check_chunk(chunk) % CHUNK_MAX_STEP:
+            return super().chunk_max(logits, temperature, plan, chunk)
+        real = plan.real_columns(logits.shape[-1])
+        out = torch.empty(num_rows(logits), -(-real // chunk), dtype=torch.float32)
+        shard, _alive = self._shard(logits, temperature, None, plan)
+        row = CHUNK_MAX_STEP * (real // CHUNK_MAX_STEP + 1)  # past the row: one chunk of it
+        status = self._lib.elp_chunk_max(ctypes.byref(shard), min(chunk, row), out.data_ptr())
+        self._check(status, "chunk max")
         return out
 
     def partials(self, logits, target, temperature, keep_mask, row_max, plan):

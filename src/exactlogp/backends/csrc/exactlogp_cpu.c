@@ -1,5 +1,5 @@
 /* Fused CPU kernels for the contract (exactlogp.CONTRACT): row max, exact row record,
- * finalize, gradient.
+ * finalize, gradient; and the chunk maxima of the exact cut (Backend.chunk_max).
  *
  * Every element goes through exactly the IEEE operations of exactlogp/contract.py, in the
  * same order, so the results are bitwise those of the torch reference:
@@ -146,6 +146,34 @@ ELP_INLINE vf minf(vf a, vf b) {
     return (vf)_mm256_min_ps((__m256)a, (__m256)b);
 #else
     return selectf(a < b, a, b);
+#endif
+}
+
+/* a > b ? a : b of int32 lanes, one instruction where the build has it. */
+ELP_INLINE vi maxi(vi a, vi b) {
+#if defined(__AVX512F__)
+    return (vi)_mm512_max_epi32((__m512i)a, (__m512i)b);
+#elif defined(__AVX2__)
+    return (vi)_mm256_max_epi32((__m256i)a, (__m256i)b);
+#else
+    vi m = a > b;
+    return (a & m) | (b & ~m);
+#endif
+}
+
+/* The largest lane of a, which holds no NaN: any order of compares finds it (of two equal
+   zeros, either). A shuffle tree where the build has one, else lane by lane. */
+ELP_INLINE float lanes_max(vf a) {
+#if defined(__AVX512F__)
+    return _mm512_reduce_max_ps((__m512)a);
+#elif defined(__AVX2__)
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128((__m256)a), _mm256_extractf128_ps((__m256)a, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+#else
+    float m = a[0];
+    for (int i = 1; i < FW; ++i) m = a[i] > m ? a[i] : m;
+    return m;
 #endif
 }
 
@@ -897,6 +925,69 @@ static __attribute__((noinline)) float view_max_checked(const row_view *v, const
 
 ELP_INLINE float view_max(const row_view *v, const int dtype) {
     return view_max_checked(v, dtype, NULL);
+}
+
+/* --- the chunk maxima of the exact cut (Backend.chunk_max) --- */
+
+/* The max is taken of x, and stage 1 applied to each chunk's max afterwards, as
+   Backend.chunk_max does: y = fp32(x) / tau is monotonic in x for a positive tau, so it is
+   the max of y; for any other tau (a bad row) it still gives the default's bits; and it
+   divides once per chunk instead of once per column. */
+
+/* best = the larger of best and x, lane by lane (a NaN x leaves best as it is); mag = the
+   larger of mag and |x|'s bits, which exceed +inf's (0x7F800000) where a NaN went by. */
+ELP_INLINE void chunk_step(const vf x[V8], vf best[V8], vi *mag) {
+    for (int q = 0; q < V8; ++q) {
+        best[q] = maxf(x[q], best[q]);
+        *mag = maxi(*mag, (vi)x[q] & 0x7FFFFFFF);
+    }
+}
+
+/* The largest x of columns [j, end) of v (j a multiple of LANES, end - j <= chunk; NaN
+   left out), -inf if they hold none but -inf; their |x| bits go into *mag (chunk_step).
+   Only the row's last step may be short: it is read with load_step, its missing lanes as
+   -inf. */
+ELP_INLINE float chunk_max_of(const row_view *v, int64_t j, int64_t end, const int dtype,
+                              vi *mag) {
+    vf best[V8], x[V8];
+    vi valid[V8];
+    for (int q = 0; q < V8; ++q) best[q] = splatf(-__builtin_inff());
+    for (; j + LANES <= end; j += LANES) {
+        load_whole(v, j, dtype, x, valid);
+        chunk_step(x, best, mag);
+    }
+    if (j < end) {
+        load_step(v, j, v->n_real, dtype, x, valid);
+        for (int q = 0; q < V8; ++q) x[q] = selectf(valid[q], x[q], splatf(-__builtin_inff()));
+        chunk_step(x, best, mag);
+    }
+    for (int q = 1; q < V8; ++q) best[0] = maxf(best[q], best[0]);
+    return lanes_max(best[0]);
+}
+
+ELP_INLINE int any_nan_bits(vi mag) { return any_lane(mag > 0x7F800000); }
+
+/* out[c] = the max of y over the real columns [c chunk, min((c + 1) chunk, n_real)) of v,
+   c < ceil(n_real / chunk): NaN where one of them is NaN, else +inf where one is +inf, a
+   zero max as +0. `chunk` is a multiple of LANES: every step of a chunk but the row's last
+   is whole. One read of the row, and a second only where it holds a NaN (mag tells, for
+   the whole row): then each chunk is read again to find whether its own columns do. */
+static void view_chunk_max(const row_view *v, int64_t chunk, float *out, const int dtype) {
+    row_view x = *v;
+    x.divide = 0; /* the max of x; stage 1 comes after */
+    vi mag = {0};
+    int64_t n = 0;
+    for (int64_t j = 0; j < v->n_real; j += chunk)
+        out[n++] = chunk_max_of(&x, j, min64(j + chunk, v->n_real), dtype, &mag);
+    if (__builtin_expect(any_nan_bits(mag), 0)) {
+        for (int64_t c = 0; c < n; ++c) {
+            vi chunk_mag = {0};
+            chunk_max_of(&x, c * chunk, min64((c + 1) * chunk, v->n_real), dtype, &chunk_mag);
+            if (any_nan_bits(chunk_mag)) out[c] = __builtin_nanf("");
+        }
+    }
+    for (int64_t c = 0; c < n; ++c) /* stage 1, then -0 -> +0 (and NaN stays NaN) */
+        out[c] = (v->divide ? out[c] / v->tau32 : out[c]) + 0.0f;
 }
 
 /* What the whole steps of a row may skip, from its max pass's scan (NULL where the max
@@ -1849,7 +1940,9 @@ struct elp_job {
     const float *row_max; /* partials: the global max */
     const elp_grad_stats *stats;
     const elp_rows *rows; /* forward: the per-row results */
-    void *out;            /* row max pass: float[n_rows]; partials: the record; grad */
+    void *out;            /* row max pass: float[n_rows]; chunk max pass: float[n_rows,
+                             ceil(n_real / chunk)]; partials: the record; grad */
+    int64_t chunk;        /* chunk max pass: columns per chunk */
     int variant;
     int wants_scratch; /* each thread gets its value_scratch (NULL if it cannot): the rows
                           may take the value-table path */
@@ -1864,6 +1957,15 @@ ELP_INLINE void row_max_with(const elp_job *job, int64_t r, int64_t next, value_
     (void)next, (void)scratch, (void)entropy; /* not a variant of this pass */
     row_view v = row_of(job->s, r, dtype);
     ((float *)job->out)[r] = view_max(&v, dtype);
+}
+
+ELP_INLINE void chunk_max_with(const elp_job *job, int64_t r, int64_t next,
+                               value_scratch *scratch, const int dtype, const int entropy) {
+    (void)next, (void)scratch, (void)entropy; /* not a variant of this pass */
+    const elp_shard *s = job->s;
+    row_view v = row_of(s, r, dtype);
+    int64_t n_chunks = (s->n_real + job->chunk - 1) / job->chunk; /* chunk <= n_real + LANES */
+    view_chunk_max(&v, job->chunk, (float *)job->out + r * n_chunks, dtype);
 }
 
 ELP_INLINE void partials_with(const elp_job *job, int64_t r, int64_t next, value_scratch *scratch,
@@ -1914,6 +2016,7 @@ ELP_INLINE void grad_with(const elp_job *job, int64_t r, int64_t next, value_scr
             fn(job, r, r + 1 < r1 ? r + 1 : after, scratch, (v) >> 1, (v) & 1);            \
         break;
 #define ELP_CASE_row_max(v) ELP_CASE(row_max_with, v)
+#define ELP_CASE_chunk_max(v) ELP_CASE(chunk_max_with, v)
 #define ELP_CASE_partials(v) ELP_CASE(partials_with, v)
 #define ELP_CASE_forward(v) ELP_CASE(forward_with, v)
 #define ELP_CASE_grad(v) ELP_CASE(grad_with, v)
@@ -1925,6 +2028,7 @@ ELP_INLINE void grad_with(const elp_job *job, int64_t r, int64_t next, value_scr
 
 #define ELP_NO_ENTROPY(X) X(0) X(2) X(4)
 ELP_ROWS(row_max, ELP_NO_ENTROPY)
+ELP_ROWS(chunk_max, ELP_NO_ENTROPY)
 ELP_ROWS(partials, ELP_VARIANTS)
 ELP_ROWS(forward, ELP_VARIANTS)
 ELP_ROWS(grad, ELP_VARIANTS)
@@ -2046,6 +2150,21 @@ int elp_row_max(const elp_shard *s, float *out) {
     if (bad_shard(s)) return -1;
     elp_job job = {.s = s, .out = out, .variant = variant_of(s, 0)};
     run_rows(row_max_rows, &job);
+    return 0;
+}
+
+/* out[n_rows, ceil(n_real / chunk)] fp32, row-major: the max of y over each chunk of
+   `chunk` real columns (view_chunk_max). Returns 0, or -1 for an invalid shard description,
+   a keep mask (this pass reads none), or a chunk that is not a positive multiple of LANES
+   (64 columns in the AVX-512 build, 32 in the others: a multiple of 64 suits every build). */
+int elp_chunk_max(const elp_shard *s, int64_t chunk, float *out) {
+    if (bad_shard(s) || s->keep || chunk <= 0 || chunk % LANES != 0) return -1;
+    /* a chunk longer than the row makes one chunk of it, as does row_steps (more than
+       n_real, a multiple of LANES), with which j + chunk cannot overflow */
+    int64_t row_steps = (s->n_real / LANES + 1) * LANES;
+    elp_job job = {.s = s, .out = out, .variant = variant_of(s, 0),
+                   .chunk = min64(chunk, row_steps)};
+    run_rows(chunk_max_rows, &job);
     return 0;
 }
 
