@@ -460,6 +460,19 @@ def test_the_forward_alone_gives_the_bits_of_the_masked_pass(case, monkeypatch):
         processed_logprobs(x, t, **kw)
 
 
+def test_the_sort_and_the_radix_rounds_find_the_same_thresholds(monkeypatch):
+    """Without a TP group the thresholds come from a sort, or from the radix rounds past
+    SORT_MAX_ELEMENTS candidates: both against the definition, on ties and flat rows."""
+    x, t = llm_like_logits(6, 1700, torch.bfloat16, seed=31)
+    x[1] = torch.randint(-3, 3, (1700,)).to(torch.bfloat16)  # ties everywhere
+    cases = (dict(top_k=9, top_p=0.7), dict(top_p=0.95), dict(top_k=40, min_p=0.01))
+    want = {i: sampling_mask(x, **kw).keep_mask for i, kw in enumerate(cases)}
+    monkeypatch.setattr(sampling, "SORT_MAX_ELEMENTS", 0)
+    for i, kw in enumerate(cases):
+        assert torch.equal(want[i], brute_keep(x, **kw)), kw
+        assert torch.equal(sampling_mask(x, **kw).keep_mask, want[i]), kw
+
+
 def test_strided_3d_logits_give_the_rows_bits():
     x, t = llm_like_logits(12, 300, torch.bfloat16, seed=1)
     full = torch.cat([x.view(3, 4, 300), x.view(3, 4, 300)[:, :1]], 1)

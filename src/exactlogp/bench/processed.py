@@ -1,5 +1,6 @@
-"""What the exact cut costs: processed logprobs (top-k / top-p) against the plain forward,
-and `exactlogp.sample` against eager torch's sort-based top-p sampling, on this machine.
+"""What the exact cut costs: processed logprobs (top-k / top-p) against the plain op,
+forward and forward+backward, and `exactlogp.sample` against eager torch's sort-based
+top-p sampling, on this machine.
 
     PYTHONPATH=src python benchmarks/processed.py [--rows 1024 --vocab 151936 --decode 64]
 
@@ -49,12 +50,22 @@ def main(argv=None) -> int:
     d, _ = llm_like_logits(args.decode, args.vocab, torch.float32, seed=1, targets="uniform")
     gen = torch.Generator().manual_seed(0)
     cut = dict(top_k=args.top_k, top_p=args.top_p)
+    xg = x.clone().requires_grad_(True)
+
+    def backward(fn):
+        xg.grad = None
+        fn(xg, t, validate=False).logprobs.sum().backward()
+
     steps = {
         "selected_logprobs (plain forward)": lambda: exactlogp.selected_logprobs(
             x, t, validate=False
         ),
         f"processed_logprobs top_k={args.top_k} top_p={args.top_p}": lambda: (
             exactlogp.processed_logprobs(x, t, validate=False, **cut)
+        ),
+        "selected_logprobs forward+backward": lambda: backward(exactlogp.selected_logprobs),
+        "processed_logprobs forward+backward": lambda: backward(
+            lambda *a, **k: exactlogp.processed_logprobs(*a, **k, **cut)
         ),
         f"sample top_p={args.top_p}": lambda: exactlogp.sample(
             d, generator=gen, top_p=args.top_p, validate=False
@@ -66,14 +77,15 @@ def main(argv=None) -> int:
     seconds = measure.interleaved(steps, args.repeats, warmup=1)
     med = {k: statistics.median(v) for k, v in seconds.items()}
     names = list(med)
-    base = {names[0]: names[0], names[1]: names[0], names[2]: names[3], names[3]: names[3]}
+    base = {names[0]: names[0], names[1]: names[0], names[2]: names[2], names[3]: names[2]}
+    base.update({names[4]: names[5], names[5]: names[5]})
     info = machine()
     print(f"CPU: {info['cpu']}, {info['cores']} cores, torch {info['versions']['torch']}, "
           f"{torch.get_num_threads()} threads")  # fmt: skip
     print(f"| step | shape | median ms ({args.repeats} rounds) | vs |")
     print("|---|---|---|---|")
     for name in names:
-        shape = f"{args.rows} x {args.vocab} bf16" if name in names[:2] else (
+        shape = f"{args.rows} x {args.vocab} bf16" if name in names[:4] else (
             f"{args.decode} x {args.vocab} fp32"
         )  # fmt: skip
         ratio = med[name] / med[base[name]]
