@@ -350,11 +350,13 @@ def partials_kernel(
     m64 = tl.load(max_ptr + row).to(tl.float64)
     offs = tl.arange(0, BLOCK_V)
 
-    e_hi = tl.zeros([], tl.int64)
-    e_lo = tl.zeros([], tl.int64)
-    w_hi = tl.zeros([], tl.int64)
-    w_lo = tl.zeros([], tl.int64)
-    nonfinite = tl.zeros([], tl.int64)
+    # per-lane sums, reduced once after the loop: int64 sums are exact in any order (a lane
+    # adds at most n_real / BLOCK_V limbs < 2^42 each), so no block reduction per step
+    e_hi = tl.zeros([BLOCK_V], tl.int64)
+    e_lo = tl.zeros([BLOCK_V], tl.int64)
+    w_hi = tl.zeros([BLOCK_V], tl.int64)
+    w_lo = tl.zeros([BLOCK_V], tl.int64)
+    nonfinite = tl.zeros([BLOCK_V], tl.int32)
     for c0 in range(start, stop, BLOCK_V):
         cols = c0 + offs
         in_range = cols < stop
@@ -362,21 +364,21 @@ def partials_kernel(
         dz, term = _terms(y, valid, m64)
         e = tl.where(term, _exp_c(dz, table_ptr), 0.0)
         hi, lo = _quantize(e)
-        e_hi += tl.sum(hi, axis=0)  # int64 sums: exact in any order
-        e_lo += tl.sum(lo, axis=0)
+        e_hi += hi
+        e_lo += lo
         if WITH_ENTROPY:
             hi, lo = _quantize(e * (-dz))
-            w_hi += tl.sum(hi, axis=0)
-            w_lo += tl.sum(lo, axis=0)
+            w_hi += hi
+            w_lo += lo
         bad = valid & ((y != y) | (y == float("inf")))
-        nonfinite += tl.sum(bad.to(tl.int32), axis=0).to(tl.int64)
+        nonfinite += bad.to(tl.int32)
 
     rec = out_ptr + (row64 * tl.num_programs(1) + part) * NUM_COLS
-    tl.store(rec + COL_E_HI, e_hi)
-    tl.store(rec + COL_E_LO, e_lo)
-    tl.store(rec + COL_W_HI, w_hi)
-    tl.store(rec + COL_W_LO, w_lo)
-    tl.store(rec + COL_NONFINITE, nonfinite)
+    tl.store(rec + COL_E_HI, tl.sum(e_hi, axis=0))
+    tl.store(rec + COL_E_LO, tl.sum(e_lo, axis=0))
+    tl.store(rec + COL_W_HI, tl.sum(w_hi, axis=0))
+    tl.store(rec + COL_W_LO, tl.sum(w_lo, axis=0))
+    tl.store(rec + COL_NONFINITE, tl.sum(nonfinite.to(tl.int64), axis=0))
 
     # --- the target: its fp32 bits, owner and masked counts, from program 0 of the row ---
     owner, t_col = _owned_column(target_ptr, row, vocab_start, n_real, ignore_index)
@@ -658,9 +660,18 @@ def grad_kernel(
         row, max_ptr, s_hi_ptr, s_lo_ptr, log_s_ptr, ent_ptr, coef_a_ptr, coef_b_ptr,
         coef_t_ptr, coef_l_ptr,
     )  # fmt: skip
-    g, g_t = _grad_columns(y, valid, m64, table_ptr, s_hi, s_lo, log_s, h, ca, cb, ct, cl,
-                           WITH_ENTROPY)  # fmt: skip
+    g, _ = _grad_columns(y, valid, m64, table_ptr, s_hi, s_lo, log_s, h, ca, cb, ct, cl,
+                         WITH_ENTROPY)  # fmt: skip
+    # the target column's own formula, on its y alone: its IEEE division by s_hi runs once
+    # per program, not once per column (the columns' g_t is never computed)
     owner, t_col = _owned_column(target_ptr, row, vocab_start, n_real, ignore_index)
+    y_t, valid_t = _scaled(
+        _row_ptr(x_ptr, row64, rows_inner, stride_x_outer, stride_x),
+        _row_ptr(keep_ptr, row64, rows_inner, stride_keep_outer, stride_keep), t_col, owner,
+        tau, IS_BF16, HAS_TAU, HAS_KEEP,
+    )  # fmt: skip
+    _, g_t = _grad_columns(y_t, valid_t, m64, table_ptr, s_hi, s_lo, log_s, h, ca, cb, ct, cl,
+                           WITH_ENTROPY)  # fmt: skip
     g = tl.where(owner & (cols == t_col), g_t, g)
     if HAS_TAU:
         g = g / tl.load(tau64_ptr + row64 * stride_tau)
