@@ -473,6 +473,44 @@ def test_the_sort_and_the_radix_rounds_find_the_same_thresholds(monkeypatch):
         assert torch.equal(sampling_mask(x, **kw).keep_mask, want[i]), kw
 
 
+def _shortcut_worker(rank, world, group, inputs):
+    """Processed logprobs of 40 rows on two shards of 1300 columns (top-k 5, top-p 0.9),
+    and whether this rank's blocks took the top-k shortcut."""
+    x, t, spoil = inputs
+    taken = []
+    real = sampling._topk_candidates
+    sampling._topk_candidates = lambda *a: taken.append(real(*a)) or taken[-1]
+    try:
+        shard = x[:, 1300 * rank : 1300 * (rank + 1)].clone()
+        if spoil and rank == 1:
+            shard[3, 17] = float("nan")  # this rank alone cannot take the shortcut
+        res = processed_logprobs(shard, t, top_k=5, top_p=0.9, tp_group=group,
+                                 vocab_start=1300 * rank, validate=False)  # fmt: skip
+    finally:
+        sampling._topk_candidates = real
+    return res.logprobs, [c is not None for c in taken]
+
+
+@pytest.mark.parametrize("spoil", [False, True], ids=["shortcut", "one-rank-scans"])
+def test_a_tp_group_takes_the_shortcut_together_or_not_at_all(spoil):
+    """With a TP group a block of 512 rows takes the top-k shortcut only where every rank
+    can (one all_reduce(MAX) of a flag), else every rank cuts its blocks of 32: the same
+    collectives on every rank, the bits of one rank holding the whole vocabulary."""
+    x, t = llm_like_logits(40, 2600, torch.bfloat16, seed=41)
+    want = x.clone()
+    if spoil:
+        want[3, 1300 + 17] = float("nan")
+    want = processed_logprobs(want, t, top_k=5, top_p=0.9, validate=False).logprobs
+    per_rank = run_gloo_world(2, _shortcut_worker, (x, t, spoil), timeout=120)
+    for rank, (lp, taken) in enumerate(per_rank):
+        assert_bitwise_equal(lp, want, f"TP 2 rank {rank}")
+        if not spoil:
+            assert taken == [True], taken  # one block of 40 rows, by the shortcut
+        else:  # the large block, then its blocks of 32 and 8 rows on both ranks
+            assert taken == ([True, True, True] if rank == 0 else [False, False, True]), taken
+            assert bool(torch.isnan(lp[3])) and not bool(torch.isnan(lp[[0, 4]]).any())
+
+
 def test_strided_3d_logits_give_the_rows_bits():
     x, t = llm_like_logits(12, 300, torch.bfloat16, seed=1)
     full = torch.cat([x.view(3, 4, 300), x.view(3, 4, 300)[:, :1]], 1)

@@ -30,7 +30,7 @@ from .backends.base import num_rows, row_view, take_rows
 from .call import device_of, make_call
 
 BLOCK_ROWS = 32  # rows cut together: a function of nothing but N, alike on every rank
-LARGE_BLOCK_ROWS = 512  # rows cut together without a TP group where no scan is needed
+LARGE_BLOCK_ROWS = 512  # rows cut together where no scan is needed (a function of N alone)
 _BITS = 42
 _MASK = (1 << _BITS) - 1
 _NONE_ID = 1 << 62  # no argmax on this shard
@@ -430,9 +430,10 @@ def _cut(
     threshold = torch.full((n,), float("-inf"), dtype=torch.float32, device=x.device)
     local_arg = torch.full((n,), _NONE_ID, dtype=torch.int64, device=x.device)
     blocks, ys = [], []
-    # with a TP group the blocks are a function of N alone (their rounds are collectives);
-    # without one, a block first tries the shortcut on LARGE_BLOCK_ROWS rows at once
-    step = BLOCK_ROWS if group.distributed or keep_y else LARGE_BLOCK_ROWS
+    # a block first tries the shortcut on LARGE_BLOCK_ROWS rows at once, and where it does
+    # not apply (with a TP group: on any rank) its blocks of BLOCK_ROWS are cut: blocks that
+    # are a function of N alone, so that every rank meets the same collectives
+    step = BLOCK_ROWS if keep_y else LARGE_BLOCK_ROWS
     for s in range(0, n, step):
         rows = slice(s, min(s + step, n))
         done = _cut_block(setup, rows, keep_y, scan=step == BLOCK_ROWS)
@@ -513,6 +514,10 @@ def _cut_block(su: _Setup, rows: slice, keep_y: bool, scan: bool):
         fast = None
         if su.cmax is not None:
             fast = _topk_candidates(su, rows, kv, k_on & ~m_on, any_on)
+        if not scan and su.group.distributed:  # every rank takes the shortcut, or none
+            flag = torch.full((1,), float(fast is None), device=dev)
+            if bool(distributed.all_reduce_max_(flag, su.group)[0] > 0):
+                return None
         if fast is None:
             if not scan:
                 return None
