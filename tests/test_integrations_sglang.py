@@ -1,10 +1,12 @@
-"""exactlogp.integrations.sglang against a stand-in for SGLang 0.5.23's sampler.
+"""exactlogp.integrations.sglang, tested against a stand-in of SGLang's sampler (its real
+module needs CUDA-built torchvision here).
 
 SGLang's sampler module does not import on a CPU machine (its import chain needs
 torchvision, which exists for torch 2.13 only as a CUDA build: tests/host_stubs/README.md
-has the errors), so tests/host_stubs/sglang reproduces the module layout and
-`Sampler.forward`'s logprob paths (greedy, standard, deterministic, RL bf16), written
-from SGLang's source, with torch arithmetic in place of its CUDA kernels.
+has the errors), so tests/host_stubs/sglang reproduces SGLang 0.5.23's module layout,
+`SamplingBatchInfo`'s fields and `Sampler.forward`'s paths (greedy, standard,
+deterministic with seeds, RL bf16, the logprob lists), written from SGLang's source, with
+torch arithmetic in place of its CUDA kernels.
 """
 
 from __future__ import annotations
@@ -28,41 +30,86 @@ VOCAB = 700
 @pytest.fixture
 def host(monkeypatch):
     use_stub_package(monkeypatch, "sglang")
+    import sglang.kernels.ops.sampling.murmur_hash as murmur
     import sglang.srt.layers.sampler as sampler
+    import sglang.srt.sampling.sampling_batch_info as info
+    import sglang.srt.sampling.sampling_params as params
     import sglang.srt.speculative.eagle_worker_common as spec
 
-    yield types.SimpleNamespace(sampler=sampler, spec=spec)
+    yield types.SimpleNamespace(sampler=sampler, spec=spec, info=info, params=params,
+                                murmur=murmur)  # fmt: skip
     sglang.unpatch_sglang()
     drop_stub_modules("sglang")
 
 
-def _batch(greedy=False, seed=2):
-    logits, _ = llm_like_logits(6, VOCAB, torch.float32, seed=seed)
-    info = types.SimpleNamespace(
-        is_all_greedy=greedy,
-        temperatures=torch.tensor([0.7, 1.0, 1.3, 0.9, 2.0, 0.5]).view(-1, 1),
-        top_ks=torch.tensor([50, VOCAB, 5, 1, 200, 20]),
-        generator=torch.Generator().manual_seed(seed),
+def _info(host, temperature, top_k, top_p=None, min_p=None, seeds=None):
+    """A SamplingBatchInfo from per-request values, normalised as SGLang's
+    SamplingParams.normalize and flagged as SamplingBatchInfo.from_schedule_batch does:
+    temperature below 1e-6 -> 1.0 with top_k 1, top_k -1 -> TOP_K_ALL."""
+    n = len(temperature)
+    top_p = [1.0] * n if top_p is None else top_p
+    min_p = [0.0] * n if min_p is None else min_p
+    all_k = host.params.TOP_K_ALL
+    greedy = [t < host.params.SAMPLING_EPS for t in temperature]
+    t = [1.0 if g else v for g, v in zip(greedy, temperature, strict=True)]
+    k = [1 if g else (all_k if v == -1 else v) for g, v in zip(greedy, top_k, strict=True)]
+    return host.info.SamplingBatchInfo(
+        temperatures=torch.tensor(t, dtype=torch.float32).view(-1, 1),
+        top_ps=torch.tensor(top_p, dtype=torch.float32),
+        top_ks=torch.tensor(k, dtype=torch.int32),
+        min_ps=torch.tensor(min_p, dtype=torch.float32),
+        is_all_greedy=all(v <= 1 for v in k),
+        is_any_greedy=any(v <= 1 for v in k),
+        need_top_p_sampling=any(v != 1.0 for v in top_p),
+        need_top_k_sampling=any(v != all_k for v in k),
+        need_min_p_sampling=any(v > 0 for v in min_p),
+        vocab_size=VOCAB,
+        sampling_seed=None if seeds is None else torch.tensor(seeds, dtype=torch.int64),
+        device="cpu",
+    )
+
+
+def _float_batch(host, greedy=False, seeded=False):
+    logits, _ = llm_like_logits(6, VOCAB, torch.float32, seed=2)
+    temps = [0.0] * 6 if greedy else [0.7, 1.0, 1.3, 0.9, 2.0, 0.5]
+    seeds = [11, 12, 13, 14, 15, 16] if seeded else None
+    return logits, _info(host, temps, [50, -1, 5, 1, 200, 20], seeds=seeds)
+
+
+def _mixed_batch(host, seeds=None):
+    """Rows: min-p + top-k + top-p, min-p, top-p, top-k, no cut, greedy (temperature 0)."""
+    logits, _ = llm_like_logits(6, VOCAB, torch.float32, seed=5)
+    info = _info(
+        host,
+        temperature=[3.0, 2.5, 3.0, 0.6, 1.1, 0.0],
+        top_k=[40, -1, -1, 7, -1, -1],
+        top_p=[0.95, 1.0, 0.8, 1.0, 1.0, 1.0],
+        min_p=[0.003, 0.1, 0.0, 0.0, 0.0, 0.0],
+        seeds=seeds,
     )
     return logits, info
 
 
-def _run(sampler, logits, info, **init):
+def _run(host, logits, info, *, lists=None, positions=None, rng=0, logprob=True, **init):
     out = types.SimpleNamespace(next_token_logits=logits.clone())
-    info.generator.manual_seed(0)
-    ids = sampler.Sampler(**init)(out, info, True, [0] * 6, [None] * 6, None)
-    return ids, out.next_token_logprobs
+    n = logits.shape[0]
+    tops, ids = lists if lists is not None else ([0] * n, [None] * n)
+    torch.manual_seed(rng)
+    token_ids = host.sampler.Sampler(**init)(out, info, logprob, tops, ids, positions)
+    return token_ids, out
 
 
 @pytest.mark.parametrize(
     "init", [{}, {"enable_deterministic": True}, {"rl_on_policy_target": "fsdp"}]
 )
 def test_patched_sampler_reports_exact_temperature_scaled_logprobs(host, init):
-    logits, info = _batch()
-    ids, theirs = _run(host.sampler, logits, info, **init)
+    logits, info = _float_batch(host, seeded="enable_deterministic" in init)
+    positions = torch.arange(6)
+    ids, theirs = _run(host, logits, info, positions=positions, **init)
     sglang.patch_sglang()
-    ids2, ours = _run(host.sampler, logits, info, **init)
+    ids2, ours = _run(host, logits, info, positions=positions, **init)
     assert torch.equal(ids, ids2)  # sampling untouched
+    ours, theirs = ours.next_token_logprobs, theirs.next_token_logprobs
     expected = selected_logprobs(logits, ids, temperature=info.temperatures.view(-1)).logprobs
     assert ours.dtype == torch.float32
     assert_bitwise_equal(ours, expected, "sampled logprobs")
@@ -75,27 +122,27 @@ def test_patched_sampler_reports_exact_temperature_scaled_logprobs(host, init):
 def test_rl_mode_equals_a_trainer_on_bf16_logits(host):
     """In RL mode the LM head runs in bf16: a trainer scoring its bf16 logits with
     exactlogp and the same temperature gets the rollout's bits."""
-    logits, info = _batch()
+    logits, info = _float_batch(host)
     logits = logits.bfloat16().float()
     sglang.patch_sglang()
-    ids, ours = _run(host.sampler, logits, info, rl_on_policy_target="fsdp")
+    ids, out = _run(host, logits, info, rl_on_policy_target="fsdp")
     trainer = selected_logprobs(logits.bfloat16(), ids, temperature=info.temperatures.view(-1))
-    assert_bitwise_equal(ours, trainer.logprobs, "rollout vs trainer")
+    assert_bitwise_equal(out.next_token_logprobs, trainer.logprobs, "rollout vs trainer")
 
 
 def test_all_greedy_batches_are_scored_at_temperature_one(host):
-    logits, info = _batch(greedy=True)
+    logits, info = _float_batch(host, greedy=True)
     sglang.patch_sglang()
-    ids, ours = _run(host.sampler, logits, info)
-    assert_bitwise_equal(ours, selected_logprobs(logits, ids).logprobs, "greedy")
+    ids, out = _run(host, logits, info)
+    assert_bitwise_equal(out.next_token_logprobs, selected_logprobs(logits, ids).logprobs, "greedy")
 
 
 def test_refusals_are_loud(host):
-    logits, info = _batch()
+    logits, info = _float_batch(host)
     sglang.patch_sglang()
     info.has_custom_logit_processor = True
     with pytest.raises(NotImplementedError, match="custom logit processors"):
-        _run(host.sampler, logits, info)
+        _run(host, logits, info)
     out = types.SimpleNamespace(next_token_logits=logits)
     with pytest.raises(NotImplementedError, match="speculative-decoding logprobs"):
         host.spec.draft_logprobs(None, out, logits.argmax(-1))
