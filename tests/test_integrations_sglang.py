@@ -19,12 +19,15 @@ import types
 import pytest
 import torch
 
+import exactlogp
 from exactlogp import selected_logprobs
 from exactlogp.integrations import sglang
+from exactlogp.integrations.verl import processed_logprobs_from_logits
 from exactlogp.testing import assert_bitwise_equal, llm_like_logits
 from integration_stubs import STUB_ROOT, drop_stub_modules, use_stub_package
 
 VOCAB = 700
+F32_MIN = torch.finfo(torch.float32).min
 
 
 @pytest.fixture
@@ -152,6 +155,7 @@ def test_patch_is_idempotent_and_reversible(host):
     original = host.sampler.Sampler.__dict__["forward"]
     handle = sglang.patch_sglang()
     assert sglang.patch_sglang() is handle
+    assert sglang.patch_sglang(cut="float") is handle
     assert "sglang.srt.speculative.eagle_worker_common.compute_spec_logprobs" in handle.sites
     assert sglang.unpatch_sglang() is True
     assert host.sampler.Sampler.__dict__["forward"] is original
@@ -162,11 +166,251 @@ def test_plugin_patches_a_spawned_scheduler_process():
         f"import sys; sys.path.insert(0, {str(STUB_ROOT)!r})\n"
         "from sglang.srt.plugins import load_plugins; load_plugins()\n"
         "from sglang.srt.layers.sampler import Sampler\n"
-        "print(hasattr(Sampler.forward, '__wrapped__'))\n"
+        "from exactlogp.integrations._patching import active\n"
+        "print(hasattr(Sampler.forward, '__wrapped__'), active('patch_sglang').options)\n"
     )
-    env = dict(os.environ, EXACTLOGP_PATCH="sglang", SGLANG_PLUGINS="exactlogp")
+    env = dict(
+        os.environ,
+        EXACTLOGP_PATCH="sglang",
+        SGLANG_PLUGINS="exactlogp",
+        EXACTLOGP_SGLANG_CUT="exact",
+    )
     run = subprocess.run(
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
     )
     assert run.returncode == 0, run.stderr
-    assert run.stdout.strip() == "True"
+    assert run.stdout.strip() == "True {'cut': 'exact'}"
+
+
+# --- the exact cut (patch_sglang(cut="exact")) ---
+
+
+@pytest.mark.parametrize("seeded", [False, True])
+def test_exact_cut_draws_exactlogp_sample_from_the_kept_set(host, seeded):
+    seeds = [3, 1 << 40, -5, 42, 42, 7] if seeded else None
+    logits, info = _mixed_batch(host, seeds)
+    positions = torch.tensor([9, 0, 31, 4, 5, 17])
+    sglang.patch_sglang(cut="exact")
+    ids, out = _run(host, logits, info, positions=positions, rng=123)
+    params = sglang.exact_cut_params(
+        info.temperatures, info.top_ks, info.top_ps, info.min_ps, VOCAB
+    )
+    if seeded:  # 53 bits of SGLang's hash at the counters V and V + 1, high word first
+        cols = torch.tensor([VOCAB, VOCAB + 1])
+        words = host.murmur.murmur_hash32(info.sampling_seed.to(torch.uint64), positions, cols)
+        words = words.to(torch.int64)
+        u = ((words[:, 0] << 21) | (words[:, 1] >> 11)).to(torch.float64) / 2.0**53
+    else:  # torch's default generator, as SGLang's torch.multinomial
+        torch.manual_seed(123)
+        u = torch.rand(6, dtype=torch.float64)
+    expected = exactlogp.sample(logits, uniforms=u, **params)
+    assert ids.dtype == torch.int32
+    assert torch.equal(ids.long(), expected)
+    keep = exactlogp.sampling_mask(logits, **params).keep_mask
+    assert bool(keep[torch.arange(6), ids.long()].all())
+    assert keep.sum(-1).tolist() == [11, 4, 35, 7, VOCAB, VOCAB]  # rows 0-3 cut, 4-5 do not
+    assert int(ids[5]) == int(logits[5].argmax())  # the greedy row (temperature 0)
+    processed = exactlogp.processed_logprobs(logits, ids.long(), **params).logprobs
+    assert torch.equal(out.next_token_logprobs, processed)
+    assert torch.equal(out.next_token_logits, logits)  # drawn on the logits, left as they were
+
+
+def test_exact_cut_rollout_replays_with_ratio_one(host):
+    """The trainer's processed replay of the rollout's tokens gives r = 1 exactly: verl's
+    FSDP replay on the logits divided as SGLang divides (temperature 1 on them), and
+    processed_logprobs with exact_cut_params on the logits themselves."""
+    logits, info = _mixed_batch(host)
+    sglang.patch_sglang(cut="exact")
+    ids, out = _run(host, logits, info, rng=7)
+    rollout = out.next_token_logprobs
+    ids = ids.long()
+    sampled = slice(0, 5)  # the rows with a temperature (row 5 is greedy)
+    divided = logits[sampled] / info.temperatures[sampled]
+    replay = processed_logprobs_from_logits(
+        divided, ids[sampled], top_k=info.top_ks[sampled].long().where(
+            info.top_ks[sampled] < VOCAB, 0), top_p=info.top_ps[sampled],
+        min_p=info.min_ps[sampled],
+    )  # fmt: skip
+    assert bool(replay.loss_mask.all())
+    ratio = torch.exp(replay.logprobs - rollout[sampled])
+    assert torch.equal(ratio, torch.ones_like(ratio))
+    params = sglang.exact_cut_params(
+        info.temperatures, info.top_ks, info.top_ps, info.min_ps, VOCAB
+    )
+    trainer = exactlogp.processed_logprobs(logits, ids, **params).logprobs
+    ratio = torch.exp(trainer - rollout)
+    assert torch.equal(ratio, torch.ones_like(ratio))
+
+
+def test_exact_cut_seeded_draws_do_not_depend_on_the_batch(host):
+    seeds = [3, 1 << 40, -5, 42, 42, 7]
+    logits, info = _mixed_batch(host, seeds)
+    positions = torch.tensor([9, 0, 31, 4, 5, 17])
+    sglang.patch_sglang(cut="exact")
+    ids, _ = _run(host, logits, info, positions=positions, rng=1)
+    again, _ = _run(host, logits, info, positions=positions, rng=2)
+    assert torch.equal(ids, again)  # the seeds decide, not torch's generator
+    order = torch.tensor([4, 2, 0, 5, 1, 3])
+    shuffled = dataclass_rows(info, order)
+    ids2, _ = _run(host, logits[order], shuffled, positions=positions[order], rng=3)
+    assert torch.equal(ids2, ids[order])
+
+
+def dataclass_rows(info, order):
+    import dataclasses
+
+    return dataclasses.replace(
+        info, temperatures=info.temperatures[order], top_ps=info.top_ps[order],
+        top_ks=info.top_ks[order], min_ps=info.min_ps[order],
+        sampling_seed=info.sampling_seed[order],
+    )  # fmt: skip
+
+
+def test_exact_cut_logprob_lists_are_the_kept_sets(host):
+    logits, info = _mixed_batch(host)
+    sglang.patch_sglang(cut="exact")
+    tops = [3, 0, 5, 2, 1, 4]
+    first, _ = _run(host, logits, info, rng=4, logprob=False)
+    params = sglang.exact_cut_params(
+        info.temperatures, info.top_ks, info.top_ps, info.min_ps, VOCAB
+    )
+    keep = exactlogp.sampling_mask(logits, **params).keep_mask
+    dropped = int((~keep[0]).nonzero()[0])
+    asked = [[int(first[0]), dropped], None, [int(first[2])], None, [0, 1, 2], None]
+    ids, out = _run(host, logits, info, lists=(tops, asked), rng=4)
+    assert torch.equal(ids, first)
+
+    def exact(row_ids, i):  # processed_logprobs of token t in row i, one full row per id
+        target = torch.zeros(6, dtype=torch.int64)
+        values = []
+        for t in row_ids:
+            target[i] = int(t)
+            values.append(exactlogp.processed_logprobs(logits, target, **params).logprobs[i])
+        return torch.stack(values).clamp(min=F32_MIN)
+
+    for i, k in enumerate(tops):
+        idx, val = out.next_token_top_logprobs_idx[i], out.next_token_top_logprobs_val[i]
+        assert len(idx) == len(val) == k
+        if k:
+            assert bool(keep[i, idx].all())
+            assert torch.equal(val, exact(idx.tolist(), i))
+            assert bool((val[:-1] >= val[1:]).all())
+    vals, idxs = out.next_token_token_ids_logprobs_val, out.next_token_token_ids_logprobs_idx
+    assert idxs == [a if a is not None else [] for a in asked]
+    assert vals[1].numel() == 0
+    assert torch.equal(vals[0][0], out.next_token_logprobs[0])  # the sampled token, same bits
+    assert float(vals[0][1]) == F32_MIN  # outside the kept set
+    assert torch.equal(vals[2][0], out.next_token_logprobs[2])
+    assert torch.equal(vals[4], exact([0, 1, 2], 4))
+    with pytest.raises(ValueError, match=r"token_ids_logprobs\[1\] holds 700"):
+        _run(host, logits, info, lists=(tops, [None, [VOCAB], None, None, None, None]))
+
+
+def test_exact_cut_keeps_sglang_for_all_greedy_batches(host):
+    logits, info = _float_batch(host, greedy=True)
+    ids, theirs = _run(host, logits, info)
+    sglang.patch_sglang(cut="exact")
+    ids2, ours = _run(host, logits, info)
+    assert torch.equal(ids, ids2) and ids2.dtype == ids.dtype  # SGLang's argmax
+    expected = selected_logprobs(logits, ids).logprobs
+    assert_bitwise_equal(ours.next_token_logprobs, expected, "greedy")
+
+
+def test_exact_cut_with_original_logprobs_reports_them(host, monkeypatch):
+    monkeypatch.setattr(host.sampler, "SGLANG_RETURN_ORIGINAL_LOGPROB", True)
+    logits, info = _mixed_batch(host)
+    sglang.patch_sglang(cut="exact")
+    ids, out = _run(host, logits, info, lists=([2] * 6, [None] * 6))
+    raw = selected_logprobs(logits, ids.long()).logprobs
+    assert torch.equal(out.next_token_logprobs, raw)
+    top = torch.stack(out.next_token_top_logprobs_idx)
+    assert torch.equal(top[:, 0], logits.argmax(-1))
+
+
+def test_exact_cut_refusals_and_custom_processors(host):
+    logits, info = _mixed_batch(host)
+    sglang.patch_sglang(cut="exact")
+    forced = 123
+
+    def only(rows, params):
+        out = torch.full_like(rows, float("-inf"))
+        out[:, forced] = 0.0
+        return out
+
+    info.has_custom_logit_processor = True
+    info.custom_logit_processor = {0: host.info.ProcessorEntry(only, [1, 4], torch.tensor([1, 4]))}
+    info.custom_params = [None] * 6
+    ids, _ = _run(host, logits, info, logprob=False)  # SGLang's own preprocessing ran
+    assert ids[1] == forced and ids[4] == forced
+    with pytest.raises(NotImplementedError, match="custom logit processors"):
+        _run(host, logits, info)
+    info.has_custom_logit_processor = False
+    out = types.SimpleNamespace(next_token_logits=logits.clone())
+    sampler = host.sampler.Sampler()
+    with pytest.raises(NotImplementedError, match="watermark"):
+        sampler(out, info, True, [0] * 6, [None] * 6, None, logprob_logits=logits.clone())
+    info.sampling_mask_batch_indices = torch.tensor([0])
+    with pytest.raises(NotImplementedError, match="return_sampling_mask"):
+        _run(host, logits, info, logprob=False)
+    info.sampling_mask_batch_indices = None
+    info.sampling_seed = torch.ones(6, dtype=torch.int64)
+    with pytest.raises(ValueError, match="positions"):
+        _run(host, logits, info, positions=None)
+
+
+def test_cut_argument_and_environment(host, monkeypatch):
+    with pytest.raises(ValueError, match=r"cut must be one of \('float', 'exact'\), got 'vllm'"):
+        sglang.patch_sglang(cut="vllm")
+    sglang.patch_sglang()
+    with pytest.raises(ValueError, match="already applied"):
+        sglang.patch_sglang(cut="exact")
+    sglang.unpatch_sglang()
+    monkeypatch.setenv("EXACTLOGP_PATCH", "sglang")
+    monkeypatch.setenv("EXACTLOGP_SGLANG_CUT", "exactly")
+    with pytest.raises(ValueError, match="EXACTLOGP_SGLANG_CUT='exactly'"):
+        sglang.sglang_plugin()
+    monkeypatch.setenv("EXACTLOGP_SGLANG_CUT", " exact ")
+    sglang.sglang_plugin()
+    assert exactlogp.integrations._patching.active("patch_sglang").options == {"cut": "exact"}
+    sglang.unpatch_sglang()
+    monkeypatch.setenv("EXACTLOGP_SGLANG_CUT", "")
+    sglang.sglang_plugin()
+    assert exactlogp.integrations._patching.active("patch_sglang").options == {}
+
+
+def test_exact_cut_undo_restores_sglang(host):
+    logits, info = _mixed_batch(host)
+    original = host.sampler.Sampler.__dict__["forward"]
+    ids, theirs = _run(host, logits, info, rng=9)
+    sglang.patch_sglang(cut="exact")
+    _run(host, logits, info, rng=9)
+    assert sglang.unpatch_sglang() is True
+    assert host.sampler.Sampler.__dict__["forward"] is original
+    ids2, again = _run(host, logits, info, rng=9)
+    assert torch.equal(ids, ids2)
+    assert torch.equal(theirs.next_token_logprobs, again.next_token_logprobs)
+
+
+def test_exact_cut_needs_the_sampler_hooks(host, monkeypatch):
+    monkeypatch.delattr(host.sampler, "murmur_hash32")
+    original = host.sampler.Sampler.__dict__["forward"]
+    with pytest.raises(RuntimeError, match=r"SGLang 0\.5\.23 cannot take the exact cut.*murmur"):
+        sglang.patch_sglang(cut="exact")
+    assert host.sampler.Sampler.__dict__["forward"] is original
+    sglang.patch_sglang()  # the default cut needs none of them
+
+
+def test_exact_cut_params_maps_sglang_conventions():
+    p = sglang.exact_cut_params(
+        torch.tensor([[0.7], [1.0], [1.0]]), torch.tensor([1 << 30, 1, 5], dtype=torch.int32),
+        torch.tensor([0.9, 0.5, 1.0]), torch.tensor([0.0, 0.2, 0.1]), VOCAB,
+    )  # fmt: skip
+    assert p["temperature"].tolist() == pytest.approx([0.7, 0.0, 1.0])
+    assert p["top_k"].tolist() == [0, 0, 5]
+    assert p["top_p"].tolist() == pytest.approx([0.9, 1.0, 1.0])
+    assert p["min_p"].tolist() == pytest.approx([0.0, 0.0, 0.1])
+    with pytest.raises(ValueError, match="top_ps has shape"):
+        sglang.exact_cut_params(torch.ones(3, 1), torch.ones(3, dtype=torch.int32),
+                                torch.ones(2), torch.zeros(3), VOCAB)  # fmt: skip
+    with pytest.raises(TypeError, match="top_ks must have an integer dtype"):
+        sglang.exact_cut_params(torch.ones(3), torch.ones(3), torch.ones(3), torch.zeros(3), VOCAB)
