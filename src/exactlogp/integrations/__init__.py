@@ -8,7 +8,8 @@ output dtypes, and a reversible `patch_<host>()` per host.
   `selective_log_softmax`; `patch_megatron()`.
 - `vllm`: the rollout's logprobs (V2 model runner, V1 sampler); `patch_vllm_sampler()` and
   the `vllm.general_plugins` entry point.
-- `sglang`: the sampler's sampled-token logprobs; `patch_sglang()` and its plugin.
+- `sglang`: the sampler's sampled-token logprobs, opt-in its exact cut and draw
+  (`patch_sglang(cut="exact")`); `patch_sglang()` and its plugin.
 - `autopatch`: EXACTLOGP_PATCH applies patches in worker processes and Ray actors.
 - `handshake`: the contract fingerprint a rollout ships and a trainer checks.
 
