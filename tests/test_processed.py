@@ -400,6 +400,8 @@ FORWARD_CASES = [
     dict(top_k=torch.tensor([3, 0, -1, 9, 1, 2]), top_p=0.95, min_p=0.01),
     dict(top_k=4, temperature=torch.tensor([0.0, 0.7, 1.3, 0.0, 1.0, 0.5])),
     dict(top_k=200, top_p=0.5, temperature=0.6),
+    dict(top_p=0.999),  # wide kept sets: blocks keep a mask instead of lists
+    dict(top_k=300, temperature=1.7),
 ]
 
 
@@ -458,6 +460,41 @@ def test_the_forward_alone_gives_the_bits_of_the_masked_pass(case, monkeypatch):
     assert_bitwise_equal(got.logprobs.reshape(-1), want.logprobs, "(B, T, V) rows")
     with pytest.raises(ValueError, match=r"row\[2\] has 1 NaN or \+inf"):
         processed_logprobs(x, t, **kw)
+
+
+def test_edge_rows_of_the_top_k_shortcut(monkeypatch):
+    """A row whose only max is -0 (chunk_max gives +0: the max pass decides M), a row with
+    fewer finite chunks than k (the shortcut would read every column: the block is
+    scanned), a row of invalid temperature (validate=False: y is not monotonic in x) --
+    each against the masked pass, and the wide kept set of a large k as a mask."""
+    shortcut = []
+    real = sampling._topk_candidates
+    monkeypatch.setattr(
+        sampling, "_topk_candidates", lambda *a: shortcut.append(real(*a)) or shortcut[-1]
+    )
+    x = torch.full((3, 1300), -100.0)
+    x[:, 3] = -0.0  # the only max of each row
+    t = torch.tensor([3, 3, 3])
+    for kw in (dict(top_k=1), dict(top_k=2, top_p=0.5)):
+        got = processed_logprobs(x, t, **kw)
+        keep = sampling_mask(x, **kw).keep_mask
+        want = selected_logprobs(x, t, keep_mask=keep)
+        assert_bitwise_equal(got.logprobs, want.logprobs, f"-0 max {kw}")
+        assert_bitwise_equal(got.lse, want.lse, f"-0 max lse {kw}")
+        assert bool((got.logprobs == 0).all()) and not bool(torch.signbit(got.logprobs).any())
+    few = torch.full((2, 1300), float("-inf"))
+    few[:, 5:8] = torch.tensor([1.0, 2.0, 3.0])  # three finite logits, k = 4
+    shortcut.clear()
+    assert torch.equal(sampling_mask(few, top_k=4).keep_mask, brute_keep(few, top_k=4))
+    assert shortcut and not any(c is not None for c in shortcut)  # scanned
+    tau = torch.tensor([-1.0, 0.5])  # a bad temperature (validate=False): the row is NaN
+    x2, t2 = llm_like_logits(2, 1300, torch.float32, seed=3)
+    shortcut.clear()
+    res = processed_logprobs(x2, t2, top_k=2, temperature=tau, validate=False)
+    assert shortcut and not any(c is not None for c in shortcut)
+    assert bool(torch.isnan(res.logprobs[0]))
+    good = processed_logprobs(x2[1:], t2[1:], top_k=2, temperature=0.5)
+    assert_bitwise_equal(res.logprobs[1:], good.logprobs, "the other row")
 
 
 def test_the_sort_and_the_radix_rounds_find_the_same_thresholds(monkeypatch):

@@ -10,7 +10,8 @@ q = Q(exp_c(y - M)) (integers on the 2^-84 grid), docs/numerics.md section 13:
 
 Each radix select runs 4 rounds of 256 bins over a 32-bit key of y that orders like the
 values; each round is one int64 all_reduce(SUM) of the bins, exact in any order, so every
-rank finds the same thresholds and no rank gathers the vocabulary. The processed logprob
+rank finds the same thresholds and no rank gathers the vocabulary. Without a TP group a
+sort of the candidates finds the same thresholds in fewer steps (_sorted_select). The processed logprob
 is then the log-softmax over the kept set: `selected_logprobs` with the keep mask,
 summed from the kept columns alone.
 """
@@ -53,7 +54,8 @@ class SamplingMask(NamedTuple):
 class ProcessedLogprobs(LogprobResult):
     """A LogprobResult (three values when unpacked) that also carries which targets lie
     outside the kept set: `dropped` (bool, the target's shape; their logprob is -inf with
-    a zero gradient) and `num_dropped` (0-d int64 tensor), and `mask` (SamplingMask)."""
+    a zero gradient) and `num_dropped` (0-d int64 tensor), and `mask` (SamplingMask,
+    built on first read: until then the result keeps the cut and a view of the logits)."""
 
     dropped: torch.Tensor
     num_dropped: torch.Tensor
@@ -310,7 +312,9 @@ class _Setup(NamedTuple):
 
 
 class _Block(NamedTuple):
-    """One block's part of the cut: the kept columns of its cut rows as a list."""
+    """One block's part of the cut: the kept columns of its cut rows as a list, or where
+    that list would outweigh a mask (more than 1 / DENSE_SHARE of the block's columns,
+    at ~20 bytes an entry against 1), the block's whole keep mask instead (lists empty)."""
 
     rows: slice
     r: torch.Tensor  # (K,) int64 row in the block
@@ -318,6 +322,10 @@ class _Block(NamedTuple):
     y: torch.Tensor  # (K,) fp32
     cut: torch.Tensor  # (nb,) bool: rows with a cut (the others keep every real column)
     bad: torch.Tensor | None  # (nb, V_local) bool: NaN / +inf real columns (kept), or None
+    keep: torch.Tensor | None = None  # (nb, V_local) bool: the block's keep mask, or None
+
+
+DENSE_SHARE = 32
 
 
 class _Cut(NamedTuple):
@@ -336,6 +344,9 @@ def _keep_mask(cut: _Cut, n: int, v_local: int, device) -> torch.Tensor:
     """(N, V_local) bool: this rank's kept columns, from the cut's lists."""
     keep = torch.zeros(n, v_local, dtype=torch.bool, device=device)
     for b in cut.blocks:
+        if b.keep is not None:
+            keep[b.rows] = b.keep
+            continue
         kept = keep[b.rows]  # a view
         kept[b.r, b.c] = True
         if b.bad is not None:
@@ -393,13 +404,17 @@ def _cut(
     real = contract.valid_columns(v_local, start, vsize, None, x.device)  # (1, V)
     padded = vsize is not None and start + v_local > vsize
 
-    # top-k reads the maxima of chunks of columns; where none is NaN or +inf, the largest
-    # of a row's is its max (one read of the logits for both)
+    # top-k reads the maxima of chunks of columns; where none is NaN or +inf, the
+    # temperature is valid and the largest is not a zero (chunk_max gives +0 for -0), the
+    # largest of a row's is its max (one read of the logits for both)
     cmax = None
     if k is not None and n and call.plan.real_columns(v_local):
         cmax = call.backend.chunk_max(x, call.temperature, call.plan, CHUNK)
-        clean = (cmax < float("inf")).all(1)
         local_max = cmax.amax(1)
+        clean = (cmax < float("inf")).all(1) & (local_max != 0)
+        bad_tau = call.temperature.bad()
+        if bad_tau is not None:
+            clean &= ~bad_tau
         if not bool(clean.all()):
             other = call.backend.row_max(x, call.temperature, None, call.plan)
             local_max = torch.where(clean, local_max, other)
@@ -470,9 +485,11 @@ def _kept_at(blocks, owned: torch.Tensor, setup: _Setup) -> torch.Tensor:
         hit[g[at]] = True
         rows = torch.arange(b.rows.start, b.rows.stop, device=owned.device)
         mine = owned[b.rows]
+        at_mine = mine.clamp(min=0).unsqueeze(-1)
         whole = ~b.cut & (mine >= 0)
-        if b.bad is not None:
-            whole |= (mine >= 0) & b.bad.gather(1, mine.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+        for mask in (b.bad, b.keep):
+            if mask is not None:
+                whole |= (mine >= 0) & mask.gather(1, at_mine).squeeze(-1)
         hit[rows[whole]] = True
     return hit
 
@@ -556,7 +573,16 @@ def _cut_block(su: _Setup, rows: slice, keep_y: bool, scan: bool):
         arg = torch.where(at & need_arg, a + su.start, arg)
     if bad is not None and not bool(bad.any()):
         bad = None
-    return _Block(rows, r, c, yc, any_on, bad), thr_key, arg, y
+    block = _Block(rows, r, c, yc, any_on, bad)
+    if r.numel() > nb * x.shape[-1] // DENSE_SHARE:  # a wide kept set: the mask is smaller
+        keep = torch.zeros(nb, x.shape[-1], dtype=torch.bool, device=dev)
+        keep[r, c] = True
+        if bad is not None:
+            keep |= bad
+        keep[~any_on] = su.real
+        none = torch.zeros(0, dtype=torch.float32, device=dev)  # not yc[:0]: a view of it
+        block = _Block(rows, empty, empty, none, any_on, None, keep)
+    return block, thr_key, arg, y if keep_y else None  # a big-block caller holds them all
 
 
 def _scan(su: _Setup, rows: slice):
@@ -655,6 +681,7 @@ def _rows_of(value, rows, nb, device, dtype):
 
 
 CHUNK = 128  # columns per chunk of the top-k shortcut
+CANDIDATE_CHUNKS = 4  # the shortcut reads at most this many chunks per row and unit of k
 
 
 def _topk_candidates(su: _Setup, rows: slice, kv, rows_k, any_on):
@@ -671,10 +698,17 @@ def _topk_candidates(su: _Setup, rows: slice, kv, rows_k, any_on):
     kmax = int(kv[rows_k].max())
     if chunks < 2 * kmax or not bool((cy < float("inf")).all()):
         return None
+    bad_tau = su.call.temperature.bad()  # y of a bad temperature is not monotonic in x
+    if bad_tau is not None and bool(bad_tau[rows].any()):
+        return None
     vals = torch.topk(cy, kmax, dim=-1).values  # sorted, largest first
     kth = vals.gather(1, (kv.clamp(1, kmax) - 1).unsqueeze(-1))
+    if bool((rows_k & (kth[:, 0] == float("-inf"))).any()):
+        return None  # fewer than k chunks with a finite value: every column would pass
     kth = torch.where(rows_k.unsqueeze(-1), kth, float("inf"))
     rr, cc = torch.nonzero(cy >= kth, as_tuple=True)
+    if rr.numel() > CANDIDATE_CHUNKS * kmax * cy.shape[0]:
+        return None  # ties across many chunks: the block's scan keeps memory bounded
     x, dev = su.x, cy.device
     real = su.call.plan.real_columns(x.shape[-1])
     full = real // CHUNK
@@ -969,9 +1003,13 @@ def _processed_forward(cut: _Cut, target, call, validate: bool) -> autograd.Forw
     over the keep mask; rows without a cut take that pass. `call`: the cut's, with the
     caller's with_entropy."""
     su = cut.setup
-    x, group, plan = su.x, su.group, call.plan
+    x, plan = su.x, call.plan
     n, v_local = target.shape[0], x.shape[-1]
     m64 = su.row_max.to(torch.float64)
+    if any(b.keep is not None for b in cut.blocks):  # wide kept sets: the mask's pass
+        keep = _keep_mask(cut, n, v_local, x.device).view(x.shape)
+        record = call.backend.partials(x, target, call.temperature, keep, su.row_max, plan)
+        return _finish_record(cut, record, target, call, validate)
     if all(bool(b.cut.all()) for b in cut.blocks):
         record = torch.zeros(n, contract.NUM_COLS, dtype=torch.int64, device=x.device)
         owned = plan.target_columns(target, v_local)
@@ -1002,8 +1040,15 @@ def _processed_forward(cut: _Cut, target, call, validate: bool) -> autograd.Forw
         part[:, contract.COL_NONFINITE] = torch.where(
             b.cut, nonfinite, part[:, contract.COL_NONFINITE]
         )
-    if group.distributed and n:
-        distributed.all_reduce_sum_(record, group)
+    return _finish_record(cut, record, target, call, validate)
+
+
+def _finish_record(cut: _Cut, record, target, call, validate: bool) -> autograd.Forward:
+    """Stages 6-7 of the processed forward: the record summed over the ranks, finalized,
+    and (validate=True) the bad-row check."""
+    su, plan = cut.setup, call.plan
+    if su.group.distributed and target.shape[0]:
+        distributed.all_reduce_sum_(record, su.group)
     ranks = cut.check
     fin = call.backend.finalize(
         su.row_max, record, target, plan.vocab_size, plan.ignore_index,

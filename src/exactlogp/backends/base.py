@@ -151,12 +151,16 @@ class Backend:
         y = fp32(x) / tau is monotonic in x, so the max of y is y of the max of x."""
         check_chunk(chunk)
         n, real = num_rows(logits), plan.real_columns(logits.shape[-1])
-        chunks = -(-real // chunk)
-        x = logits.reshape(n, logits.shape[-1])[:, :real]
-        if chunks * chunk != real:
-            pad = x.new_full((n, chunks * chunk - real), float("-inf"))
-            x = torch.cat([x, pad], dim=1)
-        top = x.reshape(n, chunks, chunk).amax(-1)  # NaN propagates
+        whole = real // chunk
+        parts = []  # views of the rows, (N, V) or (B, T, V): no copy of the logits
+        if whole:
+            parts.append(logits[..., : whole * chunk].unflatten(-1, (whole, chunk)).amax(-1))
+        if real % chunk:  # the last, short chunk
+            parts.append(logits[..., whole * chunk : real].amax(-1, keepdim=True))
+        chunks = whole + (real % chunk > 0)
+        if not parts:
+            return torch.zeros(n, 0, dtype=torch.float32, device=logits.device)
+        top = torch.cat(parts, dim=-1).reshape(n, chunks)  # NaN propagates through amax
         return contract.scaled_logits(top, temperature.column()) + 0.0  # -0 -> +0
 
     def forward_unsharded(self, logits, target, temperature, keep_mask, plan: ShardPlan):
