@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import importlib
 import logging
+import os
 import sys
 import threading
 from collections.abc import Callable, Sequence
@@ -293,3 +294,32 @@ def warn_kept(kept, unpatch: str, what: str, advice: str) -> None:
         RuntimeWarning,
         stacklevel=level,
     )
+
+
+def env_choice(name: str, choices: tuple[str, ...]) -> str:
+    """The environment variable `name` as one of `choices` (the first when unset or
+    empty); a ValueError naming the variable and its value otherwise."""
+    raw = os.environ.get(name, "")
+    value = raw.strip() or choices[0]
+    if value not in choices:
+        raise ValueError(f"{name}={raw!r} must be one of {', '.join(choices)} (or unset)")
+    return value
+
+
+def host_version(package: str, patch: str) -> str:
+    """The installed `package`'s version, for messages ("of unknown version" if it has
+    none); an ImportError naming `patch` when it does not import."""
+    try:
+        module = importlib.import_module(package)
+    except ImportError as exc:
+        raise ImportError(f"{patch}: cannot import {package} ({exc}); nothing was patched") from exc
+    version = getattr(module, "__version__", None)
+    if version is None:
+        from importlib.metadata import PackageNotFoundError
+        from importlib.metadata import version as dist_version
+
+        try:
+            version = dist_version(package)
+        except PackageNotFoundError:
+            version = "of unknown version"
+    return str(version)

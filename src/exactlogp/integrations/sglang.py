@@ -108,23 +108,11 @@ def sglang_plugin() -> None:
 
 def requested_cut() -> str:
     """EXACTLOGP_SGLANG_CUT as a `patch_sglang` cut ("float" when unset or empty)."""
-    import os
-
-    raw = os.environ.get(CUT_ENV, "")
-    cut = raw.strip() or "float"
-    if cut not in CUTS:
-        raise ValueError(f"{CUT_ENV}={raw!r} must be one of {', '.join(CUTS)} (or unset)")
-    return cut
+    return _patching.env_choice(CUT_ENV, CUTS)
 
 
 def sglang_version() -> str:
-    try:
-        import sglang
-    except ImportError as exc:
-        raise ImportError(
-            f"patch_sglang: cannot import sglang ({exc}); nothing was patched"
-        ) from exc
-    return str(getattr(sglang, "__version__", "of unknown version"))
+    return _patching.host_version("sglang", PATCH_KEY)
 
 
 def sampled_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, temperatures) -> torch.Tensor:

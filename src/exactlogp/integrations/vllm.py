@@ -258,32 +258,11 @@ def vllm_plugin() -> None:
 
 def requested_cut() -> str:
     """EXACTLOGP_VLLM_CUT as a `patch_vllm_sampler` cut ("vllm" when unset or empty)."""
-    import os
-
-    raw = os.environ.get(CUT_ENV, "")
-    cut = raw.strip() or "vllm"
-    if cut not in CUTS:
-        raise ValueError(f"{CUT_ENV}={raw!r} must be one of {', '.join(CUTS)} (or unset)")
-    return cut
+    return _patching.env_choice(CUT_ENV, CUTS)
 
 
 def vllm_version() -> str:
-    try:
-        import vllm
-    except ImportError as exc:
-        raise ImportError(
-            f"patch_vllm_sampler: cannot import vllm ({exc}); nothing was patched"
-        ) from exc
-    version = getattr(vllm, "__version__", None)
-    if version is None:
-        from importlib.metadata import PackageNotFoundError
-        from importlib.metadata import version as dist_version
-
-        try:
-            version = dist_version("vllm")
-        except PackageNotFoundError:
-            version = "of unknown version"
-    return str(version)
+    return _patching.host_version("vllm", "patch_vllm_sampler")
 
 
 def _module(name: str):
