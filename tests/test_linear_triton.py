@@ -186,6 +186,6 @@ def test_head_logits_round_integers_past_2_to_the_53_and_fold_the_accumulators(m
     assert_bitwise_equal(got, want)
     assert got[:, 0].tolist() == [2.0**13 + 2.0**-10, 2.0**13, -(2.0**13 + 2.0**-10)]
     gen = torch.Generator().manual_seed(6)
-    monkeypatch.setattr(linear_kernels, "FOLD_K", linear_kernels.HEAD_BLOCK_K)
+    monkeypatch.setattr(linear_kernels, "FOLD_K", linear_kernels.HEAD_TILE.block_k)
     got, want = _head_logits(torch.randn(3, 200, generator=gen), torch.randn(5, 200, generator=gen))
     assert_bitwise_equal(got, want)

@@ -85,5 +85,14 @@ def test_gpu_check_runs_end_to_end_in_the_interpreter(tmp_path):
         assert {"megatron_ce", "exactlogp[triton,validate=false]"} <= candidates
     else:
         assert "exactlogp[triton,validate=false]" in candidates
+    # the fused head on its shapes (a decode step on a prepared weight among them), and
+    # head_logits_kernel on every tile with the default tile's bits
+    from exactlogp.backends.triton.linear_kernels import HEAD_TILES
+
+    shapes = {r["shape"] for r in report["latency"]}
+    assert {"fused-head tp4-shard 4x48", "fused-head decode-step 2x48"} <= shapes, shapes
+    assert any("prepared weight" in c for c in candidates)
+    tiles = [r for r in report["latency"] if r["shape"].startswith("head-logits tiles")]
+    assert len(tiles) == len(HEAD_TILES) and all(r["bits_equal_default"] for r in tiles)
     text = (out / "gpu_check.md").read_text()
     assert "## 1. Bits" in text and "**Headline: exactlogp forward" in text

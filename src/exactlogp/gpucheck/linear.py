@@ -9,12 +9,16 @@ prefill), by the exact head and by the torch LM heads a trainer or rollout runs 
 (cuBLAS bf16 and fp32 GEMMs, then exactlogp on their logits): how many rows differ
 between batch sizes. Latency (CUDA events, interleaved): the fused forward and
 forward+backward on each GEMM path at the Qwen3-Next TP4 shape (1024 rows, H = 2048,
-V_local = 37984, bf16, a TP group of one) against what a Megatron trainer runs instead:
-its bf16 LM-head GEMM followed by the real megatron-core vocab_parallel_cross_entropy, and
-the bf16 GEMM + fp32 log_softmax + gather.
+V_local = 37984, bf16, a TP group of one) -- and, on the two fast routes, a decode step
+(8 rows, prepared weight), a training-size block (4096 x 4096) and the whole vocabulary
+(151936) -- against what a Megatron trainer runs instead: its bf16 LM-head GEMM followed
+by the real megatron-core vocab_parallel_cross_entropy, and the bf16 GEMM + fp32
+log_softmax + gather. Then the int8 logits kernel alone on each candidate tile.
 """
 
 from __future__ import annotations
+
+from functools import partial
 
 import torch
 
@@ -117,8 +121,33 @@ def invariance_passed(row: dict) -> bool:
                                      and row["logprobs_differing"] == 0)  # fmt: skip
 
 
+# (name, rows, hidden, V_local, the exact routes timed, a prepared weight, runs): the TP4
+# shard on every route; a decode step on a prepared weight, a training-size block and the
+# whole vocabulary on the two fast routes, with fewer runs (each run is a larger GEMM)
+FUSED_SHAPES = (
+    ("tp4-shard", 1024, QWEN3_NEXT_HIDDEN, 37984, EXACT_GEMM_ROUTES, False, None),
+    ("decode-step", 8, QWEN3_NEXT_HIDDEN, 37984, ("fp64", "int8_fused"), True, None),
+    ("training", 4096, 4096, 37984, ("fp64", "int8_fused"), False, 5),
+    ("full-vocab", 1024, QWEN3_NEXT_HIDDEN, 151936, ("fp64", "int8_fused"), False, 5),
+)
+TINY_FUSED_SHAPES = (
+    ("tp4-shard", 4, 48, 256, EXACT_GEMM_ROUTES, False, None),
+    ("decode-step", 2, 48, 256, ("fp64", "int8_fused"), True, None),
+)
+
+
 def latency(device: torch.device, tiny: bool, repeats: int, warmup: int, log) -> list[dict]:
-    n, h, v = (4, 48, 256) if tiny else (1024, QWEN3_NEXT_HIDDEN, 37984)
+    """The fused head's forward and forward+backward on each shape of FUSED_SHAPES beside
+    the torch pipelines it replaces, then the int8 kernel's tiles (tile_sweep)."""
+    rows = []
+    for shape in TINY_FUSED_SHAPES if tiny else FUSED_SHAPES:
+        name, n, h, v, routes, prepared, runs = shape
+        log(f"  fused head latency, {name}: {n} x {h} x {v}")
+        rows += _latency(device, name, n, h, v, routes, prepared, runs or repeats, warmup, log)
+    return rows + tile_sweep(device, tiny, repeats, warmup, log)
+
+
+def _latency(device, shape, n, h, v, routes, prepared, repeats, warmup, log) -> list[dict]:
     hid, w, t = lm_head_inputs(n, h, v, torch.bfloat16, seed=22)
     hid, w, t = hid.to(device), w.to(device), t.to(device)
     steps = {}
@@ -128,9 +157,10 @@ def latency(device: torch.device, tiny: bool, repeats: int, warmup: int, log) ->
 
     def exact(mode):
         backend = gemm_backend(device, mode)
+        handle = exactlogp.prepare_lm_head(w, backend=backend) if prepared else None
 
         def step(backward):
-            x, wt = with_grad() if backward else (hid, w)
+            x, wt = with_grad() if backward else (hid, handle if prepared else w)
             res = exactlogp.linear_selected_logprobs(x, wt, t, validate=False, backend=backend)
             if backward:
                 (-res.logprobs.sum()).backward()
@@ -145,11 +175,11 @@ def latency(device: torch.device, tiny: bool, repeats: int, warmup: int, log) ->
             (-lp.sum()).backward()
         return lp
 
-    for mode in EXACT_GEMM_ROUTES:
-        steps[f"exactlogp linear_selected_logprobs (triton, {mode} GEMM)"] = exact(mode)
+    for mode in routes:
+        steps[f"exactlogp linear_selected_logprobs (triton, {mode} GEMM"
+              + (", prepared weight)" if prepared else ")")] = exact(mode)  # fmt: skip
     steps["torch bf16 GEMM + fp32 log_softmax"] = torch_pipeline
     clock = measure.CudaEventClock(device) if device.type == "cuda" else None
-    log(f"  fused head latency {n} x {h} x {v}")
     with worlds.single_rank(device) as group:
         megatron, built = candidates.create("megatron_ce"), False
         try:
@@ -174,10 +204,53 @@ def latency(device: torch.device, tiny: bool, repeats: int, warmup: int, log) ->
         finally:
             if built:
                 megatron.teardown()
+    return [{"shape": f"fused-head {shape} {n}x{h}", "rows": n, "cols": v, "candidate": name,
+             **{m: vars(measure.Timing.of(seconds[name, m])) for m in measure.MODES}}
+            for name in steps]  # fmt: skip
+
+
+def tile_sweep(device: torch.device, tiny: bool, repeats: int, warmup: int, log) -> list[dict]:
+    """head_logits_kernel on each of linear_kernels.HEAD_TILES: the logits of the TP4 shard
+    (1024 x 2048 x 37984) and of a decode step (8 rows), from prepared slices -- the int8
+    GEMMs and their epilogue alone -- timed interleaved; each tile's logits must be the
+    default tile's bits (a failed row fails the check, as a bits row)."""
+    if device.type != "cuda" and not tiny:
+        return []
+    from ..backends.triton import linear_kernels as lk
+    from ..linear_contract import row_exponents, unit_scales
+
+    prepared = exactlogp.prepare_lm_head
+    shapes = ((3, 48, 200),) if tiny else ((1024, QWEN3_NEXT_HIDDEN, 37984),
+                                                         (8, QWEN3_NEXT_HIDDEN, 37984))  # fmt: skip
+    backend = gemm_backend(device, "int8_fused")
     rows = []
-    for name in steps:
-        rows.append({
-            "shape": "fused-head", "rows": n, "cols": v, "candidate": name,
-            **{m: vars(measure.Timing.of(seconds[name, m])) for m in measure.MODES},
-        })  # fmt: skip
+    for n, h, v in shapes:
+        hid, w, _ = (x.to(device) for x in lm_head_inputs(n, h, v, torch.bfloat16, seed=24))
+        head = prepared(w, backend=backend)
+        c3, col_scale = head.c3(backend), head.col_scale
+        e, finite = row_exponents(hid)
+        a3 = lk.head_slices(hid, e, finite, reverse=True)
+        row_scale = unit_scales(e - 2 * lk.linear_contract.QBITS, finite)
+        logits = partial(lk.head_logits, a3, row_scale, c3, col_scale, None, 1.0)
+        run = {tile: partial(logits, tile=tile) for tile in lk.HEAD_TILES}
+        want = run[lk.HEAD_TILE]().cpu()
+        same = {tile: torch.equal(f().cpu().view(torch.int32), want.view(torch.int32))
+                for tile, f in run.items()}  # fmt: skip
+        clock = measure.CudaEventClock(device) if device.type == "cuda" else None
+        seconds = measure.interleaved(run, repeats, warmup=warmup, clock=clock)
+        for tile in lk.HEAD_TILES:
+            timing = vars(measure.Timing.of(seconds[tile]))
+            rows.append({"shape": f"head-logits tiles {n}x{h}", "rows": n, "cols": v,
+                         "candidate": f"head_logits_kernel {tile.name}"
+                         + (" (default)" if tile == lk.HEAD_TILE else "")
+                         + ("" if same[tile] else ": BITS DIFFER from the default tile's"),
+                         "forward": timing, "forward_backward": None,
+                         "bits_equal_default": same[tile]})  # fmt: skip
+        log(f"  head_logits tiles {n} x {h} x {v}: " + ", ".join(
+            f"{r['candidate'].split()[1]} {r['forward']['median'] * 1e6:.0f} us"
+            + ("" if r["bits_equal_default"] else " BITS DIFFER") for r in rows[-len(run):]))  # fmt: skip
     return rows
+
+
+def tiles_passed(row: dict) -> bool:
+    return row.get("bits_equal_default", True)

@@ -26,7 +26,10 @@
 5. The exact fused LM head (linear.py): bits of the Triton backend against the reference on
    the CPU; batch invariance on the device (rows' logits and logprobs one row per call, 7
    per call and all at once: the exact head must agree, the torch bf16 / fp32 heads'
-   differences are counted); its latency against the bf16 LM-head GEMM + megatron-core's CE.
+   differences are counted); its latency against the bf16 LM-head GEMM + megatron-core's CE
+   at the TP4 shard (every route), a decode step on a prepared weight, a training-size block
+   and the whole vocabulary; head_logits_kernel on each candidate tile (HEAD_TILES), whose
+   logits must be the default tile's bits.
 6. Processed logprobs (processed.py): processed_logprobs, its keep mask and thresholds,
    and sample, on the device against the CPU bit for bit (each cut alone, all three,
    per-row top-k), and their latency beside the plain forward and a sort-based sampler.
@@ -248,5 +251,6 @@ def main(argv: list[str] | None = None) -> int:
     log(markdown(report))
     ok = all(bits.passed(r) for r in report["bits"])
     ok = ok and all(linear.invariance_passed(r) for r in report["invariance"])
+    ok = ok and all(linear.tiles_passed(r) for r in report["latency"])
     ok = ok and all(r["status"] == "no-sync" for r in report["sync"])
     return 0 if ok and all(r["ok"] for r in report["ptx"]) else 1

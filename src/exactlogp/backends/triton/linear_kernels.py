@@ -15,6 +15,8 @@ Any tile shape, any order: the same integers as the reference's int64 arithmetic
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -129,7 +131,32 @@ def _int_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 QBITS: tl.constexpr = tl.constexpr(linear_contract.QBITS)
 MAGIC: tl.constexpr = tl.constexpr(linear_contract.contract.MAGIC)
 SLICE_BLOCK_R, SLICE_BLOCK_K = 16, 256
-HEAD_BLOCK_M, HEAD_BLOCK_N, HEAD_BLOCK_K = 64, 64, 64
+
+
+class HeadTile(NamedTuple):
+    """head_logits_kernel's launch: any tile gives the same integers, so the same bits."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.block_m}x{self.block_n}x{self.block_k}/w{self.num_warps}s{self.num_stages}"
+
+
+# candidates for the GPU check to time (gpucheck/linear.py); HEAD_TILE is the one used
+HEAD_TILES = (
+    HeadTile(64, 64, 64, 4, 3),
+    HeadTile(64, 64, 128, 4, 3),
+    HeadTile(128, 64, 64, 8, 3),
+    HeadTile(128, 128, 64, 8, 3),
+    HeadTile(128, 128, 128, 8, 3),
+    HeadTile(16, 128, 128, 4, 3),  # a decode step: 16-row tiles (mma.sync, not wgmma)
+)
+HEAD_TILE = HEAD_TILES[0]
 # products of two slices are at most 2^12: an int32 accumulator takes 2^18 of them
 # (2^30 < 2^31) before it is folded into the diagonal's int64 sum
 FOLD_K = 1 << 18
@@ -191,17 +218,18 @@ def head_slices(x: torch.Tensor, e: torch.Tensor, finite: torch.Tensor, reverse:
 
 
 @triton.jit
-def _diagonal(a_ptr, c_ptr, rm, rn, M, P, K, LO_A: tl.constexpr, LO_C: tl.constexpr,
+def _diagonal(z, a_ptr, c_ptr, rm, rn, M, P, K, LO_A: tl.constexpr, LO_C: tl.constexpr,
               WIDTH: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               BLOCK_K: tl.constexpr, FOLD: tl.constexpr):  # fmt: skip
-    """sum over k < WIDTH K of A[m, LO_A K + k] C[n, LO_C K + k] as int64: one int8 GEMM
-    of the diagonal's windows, int32 accumulation folded into int64 every FOLD columns."""
+    """z 2^7 + sum over k < WIDTH K of A[m, LO_A K + k] C[n, LO_C K + k], in int64: one
+    int8 GEMM of the diagonal's windows, its int32 accumulation added into z every FOLD
+    columns (one int64 tile live, not two: the same integer)."""
     m64, n64 = rm.to(tl.int64), rn.to(tl.int64)
     rk = tl.arange(0, BLOCK_K)
     width = WIDTH * K
     a_row = a_ptr + m64[:, None] * (3 * K) + LO_A * K
     c_row = c_ptr + n64[None, :] * (3 * K) + LO_C * K  # C^T tile: [BLOCK_K, BLOCK_N]
-    total = tl.zeros([BLOCK_M, BLOCK_N], tl.int64)
+    z = z * 128  # Horner in 2^7: exact in int64 (|Z| <= K 2^40)
     for f0 in range(0, width, FOLD):
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.int32)
         for k0 in range(f0, tl.minimum(f0 + FOLD, width), BLOCK_K):
@@ -211,8 +239,8 @@ def _diagonal(a_ptr, c_ptr, rm, rn, M, P, K, LO_A: tl.constexpr, LO_C: tl.conste
             a = tl.load(a_row + kk[None, :], mask=a_mask, other=0)
             c = tl.load(c_row + kk[:, None], mask=c_mask, other=0)
             acc += tl.dot(a, c, out_dtype=tl.int32)
-        total += acc.to(tl.int64)
-    return total
+        z += acc.to(tl.int64)
+    return z
 
 
 @triton.jit
@@ -238,11 +266,12 @@ def head_logits_kernel(
     rm = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     # --- L3: Z = sum_s 2^(7 s) D_s, Horner from the top diagonal (exact in int64) ---
-    z = _diagonal(a_ptr, c_ptr, rm, rn, M, P, K, 0, 2, 1, BLOCK_M, BLOCK_N, BLOCK_K, FOLD)
-    z = z * 128 + _diagonal(a_ptr, c_ptr, rm, rn, M, P, K, 0, 1, 2, BLOCK_M, BLOCK_N, BLOCK_K, FOLD)
-    z = z * 128 + _diagonal(a_ptr, c_ptr, rm, rn, M, P, K, 0, 0, 3, BLOCK_M, BLOCK_N, BLOCK_K, FOLD)
-    z = z * 128 + _diagonal(a_ptr, c_ptr, rm, rn, M, P, K, 1, 0, 2, BLOCK_M, BLOCK_N, BLOCK_K, FOLD)
-    z = z * 128 + _diagonal(a_ptr, c_ptr, rm, rn, M, P, K, 2, 0, 1, BLOCK_M, BLOCK_N, BLOCK_K, FOLD)
+    z = tl.zeros([BLOCK_M, BLOCK_N], tl.int64)
+    z = _diagonal(z, a_ptr, c_ptr, rm, rn, M, P, K, 0, 2, 1, BLOCK_M, BLOCK_N, BLOCK_K, FOLD)
+    z = _diagonal(z, a_ptr, c_ptr, rm, rn, M, P, K, 0, 1, 2, BLOCK_M, BLOCK_N, BLOCK_K, FOLD)
+    z = _diagonal(z, a_ptr, c_ptr, rm, rn, M, P, K, 0, 0, 3, BLOCK_M, BLOCK_N, BLOCK_K, FOLD)
+    z = _diagonal(z, a_ptr, c_ptr, rm, rn, M, P, K, 1, 0, 2, BLOCK_M, BLOCK_N, BLOCK_K, FOLD)
+    z = _diagonal(z, a_ptr, c_ptr, rm, rn, M, P, K, 2, 0, 1, BLOCK_M, BLOCK_N, BLOCK_K, FOLD)
     # --- L4: round Z to 53 bits to odd (linear_contract.odd53), scale, round to fp32 ---
     near = z.to(tl.float64)  # round to nearest; |Z| <= 2^62
     tail = z - near.to(tl.int64)  # exact: the rounding error, |tail| <= 2^9
@@ -263,20 +292,23 @@ def head_logits_kernel(
     tl.store(out_ptr + offs, out, mask=row_ok[:, None] & col_ok[None, :])
 
 
-def head_logits(a3, row_scale, c3, col_scale, bias, logit_scale: float, out=None):
+def head_logits(a3, row_scale, c3, col_scale, bias, logit_scale: float, out=None,
+                tile: HeadTile | None = None):  # fmt: skip
     """(M, P) fp32 = linear_contract.logits_block of the rows whose diagonal layouts are
-    a3 (M, 3K, reversed) and c3 (P, 3K), written into `out` (unit column stride) if given."""
+    a3 (M, 3K, reversed) and c3 (P, 3K), written into `out` (unit column stride) if given;
+    on `tile` (HEAD_TILE by default)."""
+    tile = tile or HEAD_TILE
     m, p = a3.shape[0], c3.shape[0]
     k = a3.shape[1] // 3
     out = torch.empty(m, p, dtype=torch.float32, device=a3.device) if out is None else out
     if m == 0 or p == 0:
         return out
-    grid = (triton.cdiv(m, HEAD_BLOCK_M), triton.cdiv(p, HEAD_BLOCK_N))
+    grid = (triton.cdiv(m, tile.block_m), triton.cdiv(p, tile.block_n))
     head_logits_kernel[grid](
         a3, c3, row_scale.contiguous(), col_scale.contiguous(),
         c3 if bias is None else bias.contiguous(), out, m, p, k, out.stride(0),
         logit_scale, HAS_BIAS=bias is not None, HAS_SCALE=logit_scale != 1.0,
-        BLOCK_M=HEAD_BLOCK_M, BLOCK_N=HEAD_BLOCK_N, BLOCK_K=HEAD_BLOCK_K, FOLD=FOLD_K,
-        enable_fp_fusion=False,
+        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, FOLD=FOLD_K,
+        num_warps=tile.num_warps, num_stages=tile.num_stages, enable_fp_fusion=False,
     )  # fmt: skip
     return out
