@@ -150,36 +150,95 @@ def test_many_rows_in_blocks_give_the_bits_of_each_row_alone():
             assert_bitwise_equal(a[i : i + 1], b)
 
 
-def test_the_backward_computes_the_logits_once_when_they_fit_and_gives_the_same_bits(
-    monkeypatch,
-):
-    """Pass 1's dL/dz kept for pass 2 (GRAD_KEEP_BYTES): one recomputation of the logits in
-    the backward instead of two, the same gradients -- with a logit scale (kept before the
-    exact scaling) and several blocks of weight rows."""
+def _spy_backward(monkeypatch):
+    """(logits computed, rows whose predicted grid missed per backward) lists, filled as
+    backwards run."""
     from exactlogp import linear
 
-    h, w, t = lm_head_inputs(9, 32, 300, torch.bfloat16, seed=6)
-    bias = torch.randn(300, generator=torch.Generator().manual_seed(3)).bfloat16()
-    monkeypatch.setattr(linear, "GRAD_BLOCK_ELEMENTS", 9 * 64)  # blocks of 64 weight rows
-    computed = []
-    real = linear._Weight.logits
+    computed, missed = [], []
+    real, passes = linear._Weight.logits, linear._hidden_passes
     monkeypatch.setattr(linear._Weight, "logits",
-                        lambda self, *a, **k: computed.append(1) or real(self, *a, **k))  # fmt: skip
+                        lambda self, a, *r, **k: computed.append(a.shape[0]) or real(self, a, *r, **k))  # fmt: skip
+
+    def hidden_passes(grads, *args, **kw):
+        big = passes(grads, *args, **kw)
+        missed.append(grads.missed)
+        return big
+
+    monkeypatch.setattr(linear, "_hidden_passes", hidden_passes)
+    return computed, missed
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(
+    "kw",
+    [dict(), dict(with_entropy=True, logit_scale=0.625, temperature=0.7),
+     dict(with_entropy=True, vocab_size=290, ignore_index=32, temperature="rows")],
+)  # fmt: skip
+def test_past_the_keep_budget_the_backward_computes_the_logits_once_on_a_predicted_grid(
+    backend, kw, monkeypatch
+):
+    """Where dL/dz fit GRAD_KEEP_BYTES, pass 1 keeps them for pass 2. Where they do not,
+    the forward saves each row's largest logit
+    per weight-exponent class and the backward slices the hidden gradient on the grid they
+    predict, in the same pass as dW: the logits once (not twice), every prediction right
+    on these rows (with an entropy gradient too), and the kept path's bits -- with padding,
+    per-row temperatures, an ignored row and ignore_index equal to the class count."""
+    from exactlogp import linear
+
+    h, w, t = lm_head_inputs(21, 48, 300, torch.bfloat16, seed=8)
+    t[4] = kw.get("ignore_index", -100)
+    t.clamp_(max=kw.get("vocab_size", 300) - 1)
+    if kw.get("temperature") == "rows":
+        kw = {**kw, "temperature": torch.linspace(0.5, 1.5, 21)}
+    bias = torch.randn(300, generator=torch.Generator().manual_seed(4)).bfloat16()
+    monkeypatch.setattr(linear, "GRAD_BLOCK_ELEMENTS", 21 * 64)  # blocks of 64 weight rows
+    computed, missed = _spy_backward(monkeypatch)
 
     def grads(budget):
         monkeypatch.setattr(linear, "GRAD_KEEP_BYTES", budget)
         hh, ww, bb = (x.clone().requires_grad_(True) for x in (h, w, bias))
-        res = exactlogp.linear_selected_logprobs(
-            hh, ww, t, bias=bb, logit_scale=0.625, with_entropy=True
-        )
+        res = exactlogp.linear_selected_logprobs(hh, ww, t, bias=bb, backend=backend, **kw)
         computed.clear()
-        (res.logprobs.sum() + 0.5 * res.entropy.sum()).backward()
+        loss = res.logprobs.sum() - 0.1 * res.lse.sum()
+        (loss if res.entropy is None else loss + 0.5 * res.entropy.sum()).backward()
         return [hh.grad, ww.grad, bb.grad], len(computed)
 
     kept, once = grads(1 << 30)
-    again, twice = grads(0)
-    assert (once, twice) == (5, 10)  # 300 rows in blocks of 64: 5 blocks per pass
-    for a, b in zip(kept, again, strict=True):
+    predicted, one_pass = grads(0)
+    assert (once, one_pass) == (5, 5) and missed == [None, 0], (once, one_pass, missed)
+    for a, b in zip(kept, predicted, strict=True):
+        assert_bitwise_equal(a, b)
+
+
+def test_a_wrong_prediction_costs_its_rows_a_second_pass_not_bits(monkeypatch):
+    """Predictions too high, too low (far below: the slices are clamped) and absent for some
+    rows: those rows, and only those, are sliced again from their own logits on the true
+    grid; the gradients keep the bits of the kept path."""
+    from exactlogp import linear
+
+    h, w, t = lm_head_inputs(13, 40, 200, torch.bfloat16, seed=9)
+    computed, missed = _spy_backward(monkeypatch)
+    real = linear._DLogits.predicted_top
+
+    def wrong(self, bound):
+        top = real(self, bound).clone()
+        top[1], top[5], top[6] = top[1] * 4.0, top[5] * 2.0**-60, 0.0
+        return top
+
+    def grads(budget):
+        monkeypatch.setattr(linear, "GRAD_KEEP_BYTES", budget)
+        hh, ww = h.clone().requires_grad_(True), w.clone().requires_grad_(True)
+        res = exactlogp.linear_selected_logprobs(hh, ww, t, with_entropy=True)
+        computed.clear()
+        (res.logprobs.sum() + res.entropy.sum()).backward()
+        return [hh.grad, ww.grad], list(computed)
+
+    kept, _ = grads(1 << 30)
+    monkeypatch.setattr(linear._DLogits, "predicted_top", wrong)
+    predicted, rows = grads(0)
+    assert missed[-1] == 3 and rows == [13, 3], (missed, rows)
+    for a, b in zip(kept, predicted, strict=True):
         assert_bitwise_equal(a, b)
 
 

@@ -50,6 +50,10 @@ def layouts(world: int):
 
 
 def world_worker(rank, world, group, inputs):
+    """Each layout; the uneven one also with the backward on a predicted grid (dL/dz past
+    GRAD_KEEP_BYTES: one more all_reduce(MAX), every rank slicing on the same grid)."""
+    from exactlogp import linear
+
     h, w, bias, t = inputs
     out = {}
     for name, (ranges, padded) in layouts(world).items():
@@ -58,9 +62,15 @@ def world_worker(rank, world, group, inputs):
         wp = torch.cat([w, torch.zeros(pad, HIDDEN, dtype=w.dtype)])
         bp = torch.cat([bias, torch.zeros(pad, dtype=bias.dtype)])
         start = None if name == "even" else lo
-        out[name] = run(
-            h, wp[lo:hi], bp[lo:hi], t, tp_group=group, vocab_start=start, vocab_size=VOCAB
-        )
+        args = (h, wp[lo:hi], bp[lo:hi], t)
+        kw = dict(tp_group=group, vocab_start=start, vocab_size=VOCAB)
+        out[name] = run(*args, **kw)
+        if name == "uneven":
+            keep, linear.GRAD_KEEP_BYTES = linear.GRAD_KEEP_BYTES, 0
+            try:
+                out["uneven-predicted"] = run(*args, **kw)
+            finally:
+                linear.GRAD_KEEP_BYTES = keep
     return out
 
 
@@ -95,8 +105,9 @@ def test_every_tp_layout_gives_the_tp1_bits_forward_and_backward(world, expected
     outs, dh, dw, db = expected
     assert len(results["layouts", world]) == world
     for rank, per_layout in enumerate(results["layouts", world]):
+        assert set(per_layout) == {"even", "uneven", "uneven-predicted"}
         for name, (got_outs, got_dh, got_dw, got_db) in per_layout.items():
-            lo, hi = layouts(world)[name][0][rank]
+            lo, hi = layouts(world)[name.split("-")[0]][0][rank]
             what = f"world {world} rank {rank} {name}"
             for a, b in zip(got_outs, outs, strict=True):
                 assert_bitwise_equal(a, b, what)

@@ -95,8 +95,16 @@ def test_exact_dot_takes_the_path_its_option_names(monkeypatch):
     assert calls == ["int8", "fp64", "int8_mm"]
 
 
-@pytest.mark.parametrize("gemm", ["int8", "fp64", "int8_mm", "int8_fused"])
-def test_fused_head_gives_the_reference_bits_forward_and_backward(gemm):
+@pytest.mark.parametrize(
+    "gemm,keep_bytes",
+    [("int8", None), ("fp64", None), ("int8_mm", None), ("int8_fused", None),
+     ("int8_fused", 0), ("fp64", 0)],  # 0: the backward on a predicted grid (one pass)
+)  # fmt: skip
+def test_fused_head_gives_the_reference_bits_forward_and_backward(gemm, keep_bytes, monkeypatch):
+    from exactlogp import linear
+
+    if keep_bytes is not None:
+        monkeypatch.setattr(linear, "GRAD_KEEP_BYTES", keep_bytes)
     h, w, t = lm_head_inputs(9, 40, 90, torch.bfloat16, seed=3)
     t[2] = -100
     bias = (0.1 * torch.randn(90, generator=torch.Generator().manual_seed(1))).bfloat16()

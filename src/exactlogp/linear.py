@@ -13,12 +13,20 @@ logprobs the softmax contract makes of them.
 Forward, per block of ROW_BLOCK rows (the same blocks on every rank):
   logits (ROW_BLOCK, V_local) fp32 <- exact integer GEMMs over blocks of weight rows
   autograd.forward_pipeline on them: MAX (with the agreement values), partials, SUM, finalize
-Backward (blocks of weight rows outer, all rows inner), nothing of size [N, V] kept:
-  pass 1: logits -> dL/dz (backend.grad) -> weight and bias gradient, exact per column;
-          the per-row maxima of the hidden gradient's terms
-  one all_reduce(MAX) of those maxima (as exponents)
-  pass 2: dL/dz (pass 1's, kept when they fit GRAD_KEEP_BYTES; else from the logits again)
-          -> the hidden gradient's two integer slices -> int64 sums
+Backward (blocks of weight rows outer, all rows inner), never more than GRAD_KEEP_BYTES of
+[N, V] kept:
+  where dL/dz fit GRAD_KEEP_BYTES (the forward decides):
+    pass 1: logits -> dL/dz (backend.grad) -> weight and bias gradient, exact per column;
+            the per-row maxima of the hidden gradient's terms; dL/dz kept
+    all_reduce(MAX) of those maxima (as exponents): the grid G_n of each row
+    pass 2: kept dL/dz -> the hidden gradient's two integer slices -> int64 sums
+  else, from each row's largest logit per weight-exponent class saved by the forward
+  (_GridBound):
+    the grid predicted from them (all_reduce(MAX)), then one pass: logits -> dL/dz ->
+            weight and bias gradient, the maxima, and the hidden slices on the predicted grid
+    all_reduce(MAX): the true grid; rows whose prediction missed are sliced again from
+            their own logits (none on the rows measured, numerics.md section 12)
+  (in a TP group every rank makes both MAX all_reduces: ranks may choose differently)
   one all_reduce(SUM) of int64 (2, N, H): every rank gets the whole hidden gradient
 """
 
@@ -165,9 +173,16 @@ class LinearSelectedLogprobsFunction(torch.autograd.Function):
         # a strong hash of each row's bits rides the MAX: ranks with other hidden states fail
         hashes = agreement.row_hash(hidden) if call.group.distributed else None
         per_pass = max(1, LOGITS_BUDGET // (4 * max(weight.shape[0], 1) * ROW_BLOCK)) * ROW_BLOCK
+        # where the backward cannot keep dL/dz, it slices the hidden gradient on a grid
+        # predicted from the logits seen here (and checks the prediction per row)
+        bound = None
+        if ctx.needs_input_grad[0] and 4 * n * weight.shape[0] > GRAD_KEEP_BYTES:
+            bound = _GridBound(w, call.plan, n, hidden.device)
         parts = []
         for p0 in range(0, n, per_pass):  # one pass over the weight for up to per_pass rows
             logits = _logits(hidden[p0 : p0 + per_pass], w)
+            if bound is not None:
+                bound.add(p0, logits, target[p0 : p0 + per_pass])
             for r0 in range(p0, min(n, p0 + per_pass), ROW_BLOCK):  # the same on every rank
                 rows = slice(r0, min(n, r0 + ROW_BLOCK))
                 tau = call.temperature.take(rows)
@@ -178,7 +193,7 @@ class LinearSelectedLogprobsFunction(torch.autograd.Function):
         forward = _combine(parts, n, hidden.device)
         if call.validate:
             validate_rows(forward, target, call)
-        ctx.call, ctx.hashes, ctx.prepared = call, hashes, prepared
+        ctx.call, ctx.hashes, ctx.prepared, ctx.bound = call, hashes, prepared, bound
         ctx.poisoned = None if forward.ranks is None else _HostFlag(forward.ranks.poison)
         return save_forward(ctx, (hidden, weight, bias, target), forward)
 
@@ -195,19 +210,19 @@ class LinearSelectedLogprobsFunction(torch.autograd.Function):
         a, row_scale = w.hidden(hidden)
         grads = _Grads(hidden, w, ~stats.silent, ctx.needs_input_grad)
         block = _grad_block(hidden.shape[0])
-        keep = grads.needs_hidden and 4 * hidden.shape[0] * weight.shape[0] <= GRAD_KEEP_BYTES
+        bound = ctx.bound if grads.needs_hidden else None
+        keep = bound is None and grads.needs_hidden  # the forward saw them fit
         dlogits = _DLogits(w, a, row_scale, target, tau, stats, call, keep)
-        for rows in w.slices(block):  # pass 1
-            g = dlogits(rows, None if w.fused else w.quantized(rows), first=True)
-            grads.weight_block(rows, g)
-            grads.track(rows, g)
+        if bound is None:  # pass 1: dW, db and the rows' largest terms
+            for rows in w.slices(block):
+                g = dlogits(rows, None if w.fused else w.quantized(rows), first=True)
+                grads.weight_block(rows, g)
+                grads.track(rows, g)
         if not grads.needs_hidden:  # no collective: nothing the ranks must pair
             return None, grads.dw, grads.db, None, None, None
         group = call.group
         if not group.distributed:
-            big = grads.grid()
-            for rows, c in w.blocks(block):  # pass 2
-                grads.hidden_block(rows, c, dlogits(rows, c), big)
+            big = _hidden_passes(grads, w, dlogits, block, bound)
             return grads.hidden(big), grads.dw, grads.db, None, None, None
         # the backward's collectives, under the group's lock as the forward's are
         with distributed.serialized(group):
@@ -216,11 +231,105 @@ class LinearSelectedLogprobsFunction(torch.autograd.Function):
                 dh = grads.poison(torch.empty_like(hidden))
                 return dh, grads.poison(grads.dw), grads.poison(grads.db), None, None, None
             rows_check = torch.cat([target.unsqueeze(0), ctx.hashes, agreement.row_hash(upstream)])
-            big = grads.grid(group, BackwardCheck(call, rows_check))
-            for rows, c in w.blocks(block):  # pass 2
-                grads.hidden_block(rows, c, dlogits(rows, c), big)
+            check = BackwardCheck(call, rows_check)
+            big = _hidden_passes(grads, w, dlogits, block, bound, group, check)
             dh = grads.hidden(big, group)
         return grads.poison(dh), grads.poison(grads.dw), grads.poison(grads.db), None, None, None
+
+
+def _hidden_passes(grads, w, dlogits, block, bound, group=None, check=None) -> torch.Tensor:
+    """The hidden gradient's grid G (N,) and its slices summed into grads.z.
+
+    A rank without a bound has run pass 1 (dW, db, the rows' largest terms); alone it then
+    takes the grid and runs pass 2 over the vocabulary, from kept dL/dz or from the logits
+    again. A rank with a _GridBound takes the grid predicted from it and runs one pass
+    that makes dW, db, the largest terms and the hidden slices on the predicted grid, then
+    the true grid, and slices again, from their own logits, only the rows whose prediction
+    missed (one host sync to count them). The same integers either way: a row's slices
+    depend only on its own dL/dz and G.
+
+    In a TP group, whether a rank keeps a bound depends on its shard's width, so every
+    rank makes the same two all_reduce(MAX): the guess (the bound's prediction, or the
+    largest terms pass 1 found; `check` rides it, before anything sized by the vocabulary)
+    and the true grid."""
+    if bound is None and group is None:
+        big = grads.grid()
+        for rows, c in w.blocks(block):  # pass 2
+            grads.hidden_block(rows, c, dlogits(rows, c), big)
+        return big
+    top = grads.row_max if bound is None else dlogits.predicted_top(bound)
+    guess = grads.grid(group, check, top=top)
+    if bound is not None:
+        for rows, c in w.blocks(block):  # the one pass
+            g = dlogits(rows, c)
+            grads.weight_block(rows, g)
+            grads.track(rows, g)
+            grads.hidden_block(rows, c, g, guess, guessed=True)
+    big = grads.grid(group)
+    if bound is None:
+        for rows, c in w.blocks(block):  # pass 2
+            grads.hidden_block(rows, c, dlogits(rows, c), big)
+        return big
+    missed = torch.nonzero((big != guess) & ~grads.row_bad).squeeze(1)
+    grads.missed = missed.numel()
+    if grads.missed:
+        grads.z[:, missed] = 0
+        again = dlogits.rows(missed)
+        for rows, c in w.blocks(_grad_block(grads.missed)):
+            grads.hidden_block(rows, c, again(rows, c), big[missed], index=missed)
+    return big
+
+
+class _GridBound:
+    """What the backward predicts each row's hidden-gradient grid G_n from, saved by the
+    forward of a call whose dL/dz the backward cannot keep (GRAD_KEEP_BYTES).
+
+    G_n is the binade of max_v |g_nv| 2^(f_v - QBITS) (g = dL/dz, f_v the weight row's
+    exponent). Given the row, a column's g is a function of its logit alone
+    (contract.grad_block), and without an entropy gradient |g| grows with the logit (as
+    far as exp_c does, section 13 of numerics.md): within the weight rows of one exponent
+    the largest term is at the largest logit. So per row this keeps the largest logit of
+    this shard's non-target columns in each of CLASSES exponent classes (f_top - k, the
+    last one holding every lower f: an upper bound there) and the target's own logit and
+    f where this shard owns it: the backward's gradient of those few columns gives the
+    predicted largest term. A prediction is checked per row against the true grid, so a
+    wrong one (an entropy gradient, exp_c's rare decreasing pair, the lumped class) costs
+    time, never bits. No host sync, nothing of size [N, V] kept."""
+
+    CLASSES = 32
+
+    def __init__(self, w: _Weight, plan, n: int, device):
+        v = w.weight.shape[0]
+        valid = w.finite & (torch.arange(v, device=device) < plan.real_columns(v))
+        low = torch.iinfo(torch.int64).min
+        f_top = torch.where(valid, w.f, low).amax() if v else torch.zeros((), dtype=torch.int64)
+        f_top = torch.where(f_top == low, 0, f_top).to(device)  # no valid column: any value
+        self.cls = torch.where(valid, (f_top - w.f).clamp(0, self.CLASSES - 1), self.CLASSES)
+        self.f_class = f_top - torch.arange(self.CLASSES, device=device)
+        self.zmax = torch.full((n, self.CLASSES), -torch.inf, device=device)
+        self.z_t = torch.full((n,), -torch.inf, device=device)
+        self.f_t = torch.zeros(n, dtype=torch.int64, device=device)
+        self.owned = torch.zeros(n, dtype=torch.bool, device=device)
+        self.plan, self.f = plan, w.f
+
+    def add(self, r0: int, z: torch.Tensor, target: torch.Tensor) -> None:
+        """Rows r0.. of their logits z (R, V_local) fp32 (put back bit for bit after)."""
+        r, v = z.shape
+        if r == 0 or v == 0:
+            return
+        col = self.plan.target_columns(target, v)  # -1 where not owned here
+        owned = col >= 0
+        at = col.clamp(min=0).unsqueeze(1)
+        z_t = z.gather(1, at)
+        z.scatter_(1, at, torch.where(owned.unsqueeze(1), -torch.inf, z_t))  # out of its class
+        part = torch.full((r, self.CLASSES + 1), -torch.inf, device=z.device)
+        part.scatter_reduce_(1, self.cls.expand(r, v), z, "amax")
+        z.scatter_(1, at, z_t)
+        rows = slice(r0, r0 + r)
+        self.zmax[rows] = part[:, : self.CLASSES]
+        self.z_t[rows] = torch.where(owned, z_t.squeeze(1), -torch.inf)
+        self.f_t[rows] = self.f[at.squeeze(1)]
+        self.owned[rows] = owned
 
 
 class _DLogits:
@@ -242,8 +351,32 @@ class _DLogits:
             g = self.call.backend.grad(z, self.target, self.tau, None, self.stats, plan)
             if first and self.kept is not None:
                 self.kept[rows.start] = g
+        return self._scaled(g)
+
+    def _scaled(self, g: torch.Tensor) -> torch.Tensor:
         g64 = g.to(torch.float64)  # not in place below: g may be kept, or already fp64
         return g64 if self.w.scale == 1.0 else g64 * self.w.scale  # exact
+
+    def rows(self, index: torch.Tensor) -> _DLogits:
+        """The same for the rows `index` (M,) alone."""
+        stats = contract.GradStats(*(t[index] for t in self.stats))
+        return _DLogits(self.w, self.a[index], self.row_scale[index], self.target[index],
+                        self.tau.take(index), stats, self.call, False)  # fmt: skip
+
+    def predicted_top(self, bound: _GridBound) -> torch.Tensor:
+        """(N,) fp64: each row's predicted largest |term| of the hidden gradient: the
+        gradient (backend.grad, the same code as every column's) of the bound's columns --
+        each class's largest logit, then the target -- times 2^(f - QBITS)."""
+        n, c = bound.zmax.shape
+        z = torch.cat([bound.zmax, bound.z_t.unsqueeze(1)], 1)
+        ignore = self.call.plan.ignore_index
+        base = 1 if ignore == c else 0  # the target's id is never ignore_index
+        other = base + c + 1 if base + c + 1 != ignore else base + c + 2  # owned by no one
+        target = torch.where(bound.owned, base + c, other)
+        plan = replace(self.call.plan, vocab_start=base, vocab_size=None)
+        g = self._scaled(self.call.backend.grad(z, target, self.tau, None, self.stats, plan))
+        f = torch.cat([bound.f_class.expand(n, c), bound.f_t.unsqueeze(1)], 1)
+        return (g * contract.pow2(f - lc.QBITS)).abs().amax(-1)
 
 
 class _HostFlag:
@@ -336,6 +469,8 @@ class _Grads:
             self.a_col = torch.zeros(n, 0, dtype=torch.float64, device=dev)
         self.row_max = torch.zeros(n, dtype=torch.float64, device=dev)
         self.z = torch.zeros(2, n, h, dtype=torch.int64, device=dev)
+        self.disagree = None  # () bool once a BackwardCheck was read
+        self.missed = None  # rows whose predicted grid missed (_hidden_passes), for tests
 
     def weight_block(self, rows: slice, g: torch.Tensor) -> None:
         if self.dw is None and self.db is None:
@@ -356,25 +491,32 @@ class _Grads:
         top = lc.hidden_grad_terms(g, self.w.f[rows]).abs().amax(-1)
         self.row_max = torch.maximum(self.row_max, top)  # NaN propagates
 
-    def grid(self, group: distributed.Group | None = None, check=None) -> torch.Tensor:
+    def grid(self, group: distributed.Group | None = None, check=None, top=None):
         """(N,) int64 G_n: 2^(G_n - 1) <= max over the whole vocabulary (all ranks) < 2^G_n;
         a row with nothing anywhere gets 0, a non-finite one is marked bad. With a group:
-        one all_reduce(MAX), which also carries `check` (a BackwardCheck)."""
-        bad = ~torch.isfinite(self.row_max)
-        top = torch.where(bad, 0.0, self.row_max)
+        one all_reduce(MAX), which also carries `check` (a BackwardCheck) if given. `top`:
+        a predicted (N,) largest |term| instead of the tracked one (marks nothing bad)."""
+        guessed = top is not None
+        top = self.row_max if top is None else top
+        bad = ~torch.isfinite(top)
+        top = torch.where(bad, 0.0, top)
         _, e = torch.frexp(top)
         none = -(1 << 40)
         n = top.shape[0]
         packed = torch.stack([torch.where(top > 0, e.to(torch.int64), none), bad.to(torch.int64)])
-        self.disagree = None
         if group is not None:
-            if check.call.validate:
-                check.header(group)
-            packed = torch.cat([packed.reshape(-1), check.payload()])
+            if check is not None:
+                if check.call.validate:
+                    check.header(group)
+                packed = torch.cat([packed.reshape(-1), check.payload()])
+            else:
+                packed = packed.reshape(-1)
             distributed.all_reduce_max_(packed, group)
-            self.disagree = check.read(packed[2 * n :])
+            if check is not None:
+                self.disagree = check.read(packed[2 * n :])
             packed = packed[: 2 * n].view(2, n)
-        self.row_bad = packed[1] != 0
+        if not guessed:
+            self.row_bad = packed[1] != 0
         return torch.where(packed[0] == none, 0, packed[0])
 
     def poison(self, grad: torch.Tensor | None) -> torch.Tensor | None:
@@ -383,12 +525,25 @@ class _Grads:
             return grad
         return grad.masked_fill(self.disagree, float("nan"))
 
-    def hidden_block(self, rows: slice, c: torch.Tensor, g: torch.Tensor, big) -> None:
+    def hidden_block(self, rows: slice, c, g, big, guessed=False, index=None) -> None:
         """Adds this block's two slices of sum_v D[n, v] C[v, k] (a NaN row of g spoils
-        only its own row of the sums, which comes out NaN anyway)."""
-        d1, d2 = lc.hidden_grad_slices(lc.hidden_grad_terms(g, self.w.f[rows]), big)
-        self.z[0] += self.w.backend.exact_dot(d1, c.transpose(0, 1)).to(torch.int64)
-        self.z[1] += self.w.backend.exact_dot(d2, c.transpose(0, 1)).to(torch.int64)
+        only its own row of the sums, which comes out NaN anyway) -- into the rows `index`
+        of the sums if given. `guessed`: `big` is a prediction, wrong for some rows; their
+        terms are clamped to +-2^G so that the slices stay within their bounds (a no-op on
+        the rows where it is right, |term| < 2^G there)."""
+        y = lc.hidden_grad_terms(g, self.w.f[rows])
+        if guessed:
+            limit = contract.pow2(big).unsqueeze(-1)
+            y = torch.clamp(y, -limit, limit)
+        d1, d2 = lc.hidden_grad_slices(y, big)
+        z1 = self.w.backend.exact_dot(d1, c.transpose(0, 1)).to(torch.int64)
+        z2 = self.w.backend.exact_dot(d2, c.transpose(0, 1)).to(torch.int64)
+        if index is None:
+            self.z[0] += z1
+            self.z[1] += z2
+        else:
+            self.z[0].index_add_(0, index, z1)
+            self.z[1].index_add_(0, index, z2)
 
     def hidden(self, big, group: distributed.Group | None = None) -> torch.Tensor | None:
         if not self.needs_hidden:

@@ -1,7 +1,8 @@
 """The exact fused LM head on the CPU, side by side with what a user would run instead.
 
 Candidates, on the same hidden states (N, H) and LM-head weight (V, H), one process:
-  exactlogp   linear_selected_logprobs (backend auto), loss = -sum(logprobs)
+  exactlogp   linear_selected_logprobs (backend auto), loss = -sum(logprobs); and the same
+              with its backward on a predicted grid (as past linear.GRAD_KEEP_BYTES)
   torch bf16  log_softmax((h @ W^T).float()) + gather: what a bf16 model runs today
   torch fp32  log_softmax(h.float() @ W.float()^T) + gather: the fp32-GEMM pipeline
   compiled    torch.compile of the fp32 pipeline (compiled once, warm-up excluded)
@@ -31,6 +32,7 @@ from pathlib import Path
 import torch
 
 import exactlogp
+from exactlogp import linear
 from exactlogp.bench.cpu import isa_caps
 from exactlogp.report import measure
 from exactlogp.testing import lm_head_inputs
@@ -41,8 +43,13 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 def steps(h, w, t):
     """{name: (forward, forward_backward)} on the inputs."""
 
-    def exact(x, wt, backward):
-        res = exactlogp.linear_selected_logprobs(x, wt, t)
+    def exact(x, wt, backward, predicted=False):
+        keep = linear.GRAD_KEEP_BYTES
+        linear.GRAD_KEEP_BYTES = 0 if predicted else keep  # the forward decides
+        try:
+            res = exactlogp.linear_selected_logprobs(x, wt, t)
+        finally:
+            linear.GRAD_KEEP_BYTES = keep
         if backward:
             (-res.logprobs.sum()).backward()
         return res.logprobs
@@ -73,6 +80,9 @@ def steps(h, w, t):
 
     return {
         "exactlogp linear_selected_logprobs": both(exact),
+        "exactlogp, backward on a predicted grid (GRAD_KEEP_BYTES=0)": both(
+            lambda x, wt, b: exact(x, wt, b, predicted=True)
+        ),
         "torch bf16 GEMM + fp32 log_softmax": both(
             lambda x, wt, b: torch_pipeline(x, wt, b, False)
         ),

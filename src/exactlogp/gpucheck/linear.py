@@ -24,6 +24,7 @@ import torch
 
 import exactlogp
 
+from .. import linear as exact_head
 from .. import worlds
 from ..backends import get_backend
 from ..backends.base import EXACT_GEMM_ROUTES
@@ -45,25 +46,35 @@ def run_bits(device: torch.device, tiny: bool, log) -> list[dict]:
     bias = (0.1 * torch.randn(v, generator=torch.Generator().manual_seed(2))).bfloat16()
     out = []
 
-    def run(backend, dev):
+    def run(backend, dev, predicted=False):
         hh, ww, bb = (x.to(dev).detach().requires_grad_(True) for x in (hid, w, bias))
         z = exactlogp.linear_logits(hh.detach(), ww.detach(), bb.detach(), backend=backend)
-        res = exactlogp.linear_selected_logprobs(
-            hh, ww, t.to(dev), bias=bb, with_entropy=True, backend=backend
-        )
+        keep = exact_head.GRAD_KEEP_BYTES
+        exact_head.GRAD_KEEP_BYTES = 0 if predicted else keep  # the forward decides
+        try:
+            res = exactlogp.linear_selected_logprobs(
+                hh, ww, t.to(dev), bias=bb, with_entropy=True, backend=backend
+            )
+        finally:
+            exact_head.GRAD_KEEP_BYTES = keep
         (res.logprobs.sum() + 0.5 * res.entropy.sum()).backward()
         named = {"logits": z, "logprobs": res.logprobs, "entropy": res.entropy, "lse": res.lse,
                  "grad hidden": hh.grad, "grad weight": ww.grad, "grad bias": bb.grad}  # fmt: skip
         return {k: x.detach().cpu() for k, x in named.items()}
 
     want = run("reference", torch.device("cpu"))
-    for mode in EXACT_GEMM_ROUTES:
-        log(f"  fused head {n} x {h} x {v}: triton ({mode} GEMM) on {device}, reference on CPU")
-        got = run(gemm_backend(device, mode), device)
+    # every route; the two fast ones also with the backward on a predicted grid (the path
+    # past GRAD_KEEP_BYTES)
+    cases = [(mode, False) for mode in EXACT_GEMM_ROUTES]
+    cases += [("fp64", True), ("int8_fused", True)]
+    for mode, predicted in cases:
+        what = f"{mode} GEMM" + (", predicted grid" if predicted else "")
+        log(f"  fused head {n} x {h} x {v}: triton ({what}) on {device}, reference on CPU")
+        got = run(gemm_backend(device, mode), device, predicted)
         for name in want:
             row = compare_bits(got[name], want[name])
-            out.append({"case": f"fused-head {n}x{h}x{v} gemm={mode}", "entropy": True,
-                        "output": name, **row})  # fmt: skip
+            case = f"fused-head {n}x{h}x{v} gemm={mode}" + (" predicted" if predicted else "")
+            out.append({"case": case, "entropy": True, "output": name, **row})
     return out
 
 
@@ -143,7 +154,9 @@ def latency(device: torch.device, tiny: bool, repeats: int, warmup: int, log) ->
     for shape in TINY_FUSED_SHAPES if tiny else FUSED_SHAPES:
         name, n, h, v, routes, prepared, runs = shape
         log(f"  fused head latency, {name}: {n} x {h} x {v}")
-        rows += _latency(device, name, n, h, v, routes, prepared, runs or repeats, warmup, log)
+        few = runs is not None  # the large shapes: fewer runs, one warm-up
+        rows += _latency(device, name, n, h, v, routes, prepared, runs if few else repeats,
+                         min(warmup, 1) if few else warmup, log)  # fmt: skip
     return rows + tile_sweep(device, tiny, repeats, warmup, log)
 
 
@@ -155,13 +168,18 @@ def _latency(device, shape, n, h, v, routes, prepared, repeats, warmup, log) -> 
     def with_grad():
         return hid.detach().requires_grad_(True), w.detach().requires_grad_(True)
 
-    def exact(mode):
+    def exact(mode, predicted=False):
         backend = gemm_backend(device, mode)
         handle = exactlogp.prepare_lm_head(w, backend=backend) if prepared else None
 
         def step(backward):
             x, wt = with_grad() if backward else (hid, handle if prepared else w)
-            res = exactlogp.linear_selected_logprobs(x, wt, t, validate=False, backend=backend)
+            keep = exact_head.GRAD_KEEP_BYTES
+            exact_head.GRAD_KEEP_BYTES = 0 if predicted else keep  # the forward decides
+            try:
+                res = exactlogp.linear_selected_logprobs(x, wt, t, validate=False, backend=backend)
+            finally:
+                exact_head.GRAD_KEEP_BYTES = keep
             if backward:
                 (-res.logprobs.sum()).backward()
             return res.logprobs
@@ -178,6 +196,10 @@ def _latency(device, shape, n, h, v, routes, prepared, repeats, warmup, log) -> 
     for mode in routes:
         steps[f"exactlogp linear_selected_logprobs (triton, {mode} GEMM"
               + (", prepared weight)" if prepared else ")")] = exact(mode)  # fmt: skip
+    if shape == "tp4-shard":  # dL/dz fit GRAD_KEEP_BYTES here: the other backward beside it
+        for mode in ("fp64", "int8_fused"):
+            name = f"exactlogp linear_selected_logprobs (triton, {mode} GEMM, predicted grid)"
+            steps[name] = exact(mode, predicted=True)
     steps["torch bf16 GEMM + fp32 log_softmax"] = torch_pipeline
     clock = measure.CudaEventClock(device) if device.type == "cuda" else None
     with worlds.single_rank(device) as group:
