@@ -197,3 +197,67 @@ def test_head_logits_round_integers_past_2_to_the_53_and_fold_the_accumulators(m
     monkeypatch.setattr(linear_kernels, "FOLD_K", linear_kernels.HEAD_TILE.block_k)
     got, want = _head_logits(torch.randn(3, 200, generator=gen), torch.randn(5, 200, generator=gen))
     assert_bitwise_equal(got, want)
+
+
+@pytest.mark.parametrize("tau", [1.0, 0.01, "rows"])
+def test_head_logits_epilogue_gives_the_max_pass_row_max(tau):
+    """The row max the fused kernel's epilogue writes is launch.row_max of its logits: y =
+    logits / tau over the real columns, NaN and +inf left out, -inf for none -- on hard rows
+    (NaN and inf rows, a NaN column, logits that overflow to +-inf, or do once divided by
+    tau = 0.01, per-row tau
+    including 0, -1 and NaN), with padding columns, across several column tiles."""
+    from exactlogp.backends.base import ShardPlan
+    from exactlogp.temperature import Temperature
+
+    gen = torch.Generator().manual_seed(8)
+    # rows of logits from ~1 to ~1e38 (past fp32's range once divided by 0.01, or before)
+    h = torch.randn(21, 200, generator=gen) * torch.logspace(0, 20, 21).unsqueeze(1)
+    h[0], h[1, 3], h[2, 5] = 0.0, float("nan"), float("inf")
+    w = torch.randn(161, 200, generator=gen) * 1e17  # 161 columns: three tiles
+    w[7, 9] = float("nan")  # a NaN column
+    if tau == "rows":
+        rows = torch.linspace(0.25, 4.0, 21)
+        rows[3], rows[4], rows[6] = 0.0, -1.0, float("nan")
+        temperature = Temperature.of(rows)
+    else:
+        temperature = Temperature.of(tau)
+    e, fin_h = lc.row_exponents(h)
+    f, fin_w = lc.row_exponents(w)
+    dev = [t.to(DEVICE) for t in (h, e, fin_h, w, f, fin_w)]
+    a3 = linear_kernels.head_slices(dev[0], dev[1], dev[2], reverse=True)
+    c3 = linear_kernels.head_slices(dev[3], dev[4], dev[5], reverse=False)
+    row_scale = lc.unit_scales(dev[1] - 2 * lc.QBITS, dev[2])
+    col_scale = lc.unit_scales(dev[4], dev[5])
+    for n_real in (161, 150, 0):
+        z, got = linear_kernels.head_logits(a3, row_scale, c3, col_scale, None, 1.0,
+                                            max_of=(temperature.to(DEVICE), n_real))  # fmt: skip
+        plan = ShardPlan(0, n_real, -100, False)
+        want = launch.row_max(z, temperature.to(DEVICE), None, plan)
+        got, want = got.cpu(), want.cpu()
+        zero = (got == 0) & (want == 0)  # a zero max's sign is not pinned (numerics.md, 7)
+        assert_bitwise_equal(torch.where(zero, 0.0, got), torch.where(zero, 0.0, want))
+        if tau == 0.01 and n_real:  # the case is real: some y overflow, some maxima do not
+            y = z.cpu()[:, :n_real] / 0.01
+            assert torch.isposinf(y).any() and torch.isfinite(got).any(), got
+
+
+def test_the_fused_route_reads_its_row_max_from_the_epilogue(monkeypatch):
+    """On the fused route the forward launches no max pass (the epilogue's row max feeds
+    the partials pass), and its outputs are still the reference's bits."""
+    launched = []
+    real = launch.row_max
+    monkeypatch.setattr(launch, "row_max", lambda *a, **k: launched.append(1) or real(*a, **k))
+    h, w, t = lm_head_inputs(9, 40, 90, torch.bfloat16, seed=5)
+    t.clamp_(max=84)
+    triton = TritonBackend(exact_gemm="int8_fused")
+    got = exactlogp.linear_selected_logprobs(h.to(DEVICE), w.to(DEVICE), t.to(DEVICE),
+                                             temperature=0.8, with_entropy=True,
+                                             vocab_size=85, backend=triton)  # fmt: skip
+    assert launched == []
+    want = exactlogp.linear_selected_logprobs(h, w, t, temperature=0.8, with_entropy=True,
+                                              vocab_size=85, backend="reference")  # fmt: skip
+    for a, b in zip(got, want, strict=True):
+        assert_bitwise_equal(a.cpu(), b)
+    exactlogp.linear_selected_logprobs(h, w, t, temperature=0.8, vocab_size=85,
+                                       backend=TritonBackend(exact_gemm="fp64"))  # fmt: skip
+    assert launched == [1]  # the other routes keep their max pass

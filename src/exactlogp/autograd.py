@@ -1,6 +1,7 @@
 """One autograd.Function for every backend: the forward pipeline and its backward.
 
 logits shard --backend.row_max--> (N,) fp32 --all_reduce(MAX) with the agreement fields--> M
+  (or `local_max`, that row max as the logits' producer found it: the fused LM head's kernel)
 logits shard --backend.partials(M)--> (N, 8) int64 --all_reduce(SUM)--> record
 record --backend.finalize (= contract.finalize)--> logprobs, entropy, lse + row stats
 without a TP group: backend.forward_unsharded does all of the above (a backend may fuse it)
@@ -33,17 +34,24 @@ def forward_pipeline(
     keep_mask: torch.Tensor | None,  # (N, V_local) bool
     call: Call,
     row_fields: torch.Tensor | None = None,  # (k, N) more per-row values the ranks share
+    local_max: torch.Tensor | None = None,  # (N,) fp32 backend.row_max of logits, if known
 ) -> Forward:
     plan, backend, group = call.plan, call.backend, call.group
     n = target.shape[0]
     ranks = None
-    if not group.distributed:  # the whole vocabulary is here: nothing crosses ranks
+    if not group.distributed and local_max is not None:  # no max pass: only the record
+        record = backend.partials(logits, target, temperature, keep_mask, local_max, plan)
+        row_max, record, fin = backend.finish_unsharded(local_max, record, target, temperature,
+                                                        plan)  # fmt: skip
+    elif not group.distributed:  # the whole vocabulary is here: nothing crosses ranks
         row_max, record, fin = backend.forward_unsharded(
             logits, target, temperature, keep_mask, plan
         )
     else:
         # --- 1-2. exact global max; the agreement fields ride along ---
-        row_max = backend.row_max(logits, temperature, keep_mask, plan)
+        if local_max is None:
+            local_max = backend.row_max(logits, temperature, keep_mask, plan)
+        row_max = local_max
         payload = agreement.max_payload(
             row_max, target, temperature, call.call_key, group, call.layout, row_fields
         )

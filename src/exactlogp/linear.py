@@ -114,28 +114,30 @@ class _Weight:
             a = lc.quantize(hidden, e, finite)
         return a, lc.unit_scales(e - 2 * lc.QBITS, finite)
 
-    def logits(self, a, row_scale, rows: slice, c=None, out=None) -> torch.Tensor:
+    def logits(self, a, row_scale, rows: slice, c=None, out=None, max_of=None):
         """(R, P) fp32 logits of weight rows `rows` (their integers c; a fused head reads
-        its own layout)."""
+        its own layout; with max_of, (logits, their row max): TritonBackend.head_logits)."""
         bias = None if self.bias is None else self.bias[rows]
         if self.fused:
             return self.backend.head_logits(
-                a, row_scale, self.c3[rows], self.col_scale[rows], bias, self.scale, out
+                a, row_scale, self.c3[rows], self.col_scale[rows], bias, self.scale, out, max_of
             )
         return lc.logits_block(
             a, row_scale, c, self.col_scale[rows], bias, self.scale, self.backend.exact_dot, out
         )
 
 
-def _logits(hidden, w: _Weight) -> torch.Tensor:
-    """(R, V_local) fp32: contract exactlogp-linear-v1 for these rows."""
+def _logits(hidden, w: _Weight, max_of=None):
+    """(R, V_local) fp32: contract exactlogp-linear-v1 for these rows. With max_of =
+    (temperature of these rows, real columns): (logits, Backend.row_max of them) on a fused
+    head, whose kernel finds the max as it writes the logits; (logits, None) elsewhere."""
     a, row_scale = w.hidden(hidden)
     out = torch.empty(hidden.shape[0], w.weight.shape[0], dtype=torch.float32, device=a.device)
     if w.fused:  # one kernel over the whole shard
-        return w.logits(a, row_scale, slice(0, w.weight.shape[0]), out=out)
+        return w.logits(a, row_scale, slice(0, w.weight.shape[0]), out=out, max_of=max_of)
     for rows, c in w.blocks():
         w.logits(a, row_scale, rows, c, out[:, rows])
-    return out
+    return out if max_of is None else (out, None)
 
 
 # --- the autograd functions ---
@@ -179,16 +181,20 @@ class LinearSelectedLogprobsFunction(torch.autograd.Function):
         if ctx.needs_input_grad[0] and 4 * n * weight.shape[0] > GRAD_KEEP_BYTES:
             bound = _GridBound(w, call.plan, n, hidden.device)
         parts = []
+        real = call.plan.real_columns(weight.shape[0])
         for p0 in range(0, n, per_pass):  # one pass over the weight for up to per_pass rows
-            logits = _logits(hidden[p0 : p0 + per_pass], w)
+            span = slice(p0, min(n, p0 + per_pass))
+            max_of = (call.temperature.take(span), real)
+            logits, local_max = _logits(hidden[span], w, max_of)
             if bound is not None:
-                bound.add(p0, logits, target[p0 : p0 + per_pass])
-            for r0 in range(p0, min(n, p0 + per_pass), ROW_BLOCK):  # the same on every rank
+                bound.add(p0, logits, target[span])
+            for r0 in range(p0, span.stop, ROW_BLOCK):  # the same on every rank
                 rows = slice(r0, min(n, r0 + ROW_BLOCK))
                 tau = call.temperature.take(rows)
                 fields = None if hashes is None else hashes[:, rows]
                 block = logits[r0 - p0 : rows.stop - p0]
-                parts.append(forward_pipeline(block, target[rows], tau, None, call, fields))
+                known = None if local_max is None else local_max[r0 - p0 : rows.stop - p0]
+                parts.append(forward_pipeline(block, target[rows], tau, None, call, fields, known))
             del logits, block  # before the next pass allocates its own
         forward = _combine(parts, n, hidden.device)
         if call.validate:

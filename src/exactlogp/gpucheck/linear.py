@@ -29,6 +29,7 @@ from .. import worlds
 from ..backends import get_backend
 from ..backends.base import EXACT_GEMM_ROUTES
 from ..report import candidates, measure
+from ..temperature import Temperature
 from ..testing import bit_pattern, compare_bits, lm_head_inputs
 
 QWEN3_NEXT_HIDDEN = 2048
@@ -232,10 +233,10 @@ def _latency(device, shape, n, h, v, routes, prepared, repeats, warmup, log) -> 
 
 
 def tile_sweep(device: torch.device, tiny: bool, repeats: int, warmup: int, log) -> list[dict]:
-    """head_logits_kernel on each of linear_kernels.HEAD_TILES: the logits of the TP4 shard
-    (1024 x 2048 x 37984) and of a decode step (8 rows), from prepared slices -- the int8
-    GEMMs and their epilogue alone -- timed interleaved; each tile's logits must be the
-    default tile's bits (a failed row fails the check, as a bits row)."""
+    """head_logits_kernel on each of linear_kernels.HEAD_TILES: the logits and row max of
+    the TP4 shard (1024 x 2048 x 37984) and of a decode step (8 rows), from prepared
+    slices -- the int8 GEMMs and their epilogue alone -- timed interleaved; each tile's
+    logits and row max must be the default tile's bits (a failed row fails the check)."""
     if device.type != "cuda" and not tiny:
         return []
     from ..backends.triton import linear_kernels as lk
@@ -253,11 +254,13 @@ def tile_sweep(device: torch.device, tiny: bool, repeats: int, warmup: int, log)
         e, finite = row_exponents(hid)
         a3 = lk.head_slices(hid, e, finite, reverse=True)
         row_scale = unit_scales(e - 2 * lk.linear_contract.QBITS, finite)
-        logits = partial(lk.head_logits, a3, row_scale, c3, col_scale, None, 1.0)
+        # as the forward launches it: the row max in the epilogue, temperature 0.7
+        max_of = (Temperature.of(0.7), v)
+        logits = partial(lk.head_logits, a3, row_scale, c3, col_scale, None, 1.0, max_of=max_of)
         run = {tile: partial(logits, tile=tile) for tile in lk.HEAD_TILES}
-        want = run[lk.HEAD_TILE]().cpu()
-        same = {tile: torch.equal(f().cpu().view(torch.int32), want.view(torch.int32))
-                for tile, f in run.items()}  # fmt: skip
+
+        want = _tile_bits(run[lk.HEAD_TILE])
+        same = {tile: torch.equal(_tile_bits(f), want) for tile, f in run.items()}
         clock = measure.CudaEventClock(device) if device.type == "cuda" else None
         seconds = measure.interleaved(run, repeats, warmup=warmup, clock=clock)
         for tile in lk.HEAD_TILES:
@@ -272,6 +275,12 @@ def tile_sweep(device: torch.device, tiny: bool, repeats: int, warmup: int, log)
             f"{r['candidate'].split()[1]} {r['forward']['median'] * 1e6:.0f} us"
             + ("" if r["bits_equal_default"] else " BITS DIFFER") for r in rows[-len(run):]))  # fmt: skip
     return rows
+
+
+def _tile_bits(logits) -> torch.Tensor:
+    """The bits of one head_logits launch: its logits and row max, as int32 on the CPU."""
+    z, top = logits()
+    return torch.cat([z.reshape(-1), top]).cpu().view(torch.int32)
 
 
 def tiles_passed(row: dict) -> bool:

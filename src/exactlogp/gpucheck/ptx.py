@@ -184,7 +184,8 @@ def _launch(v: Variant, rows: int, vocab: int) -> None:
         a3 = linear_kernels.head_slices(empty(rows, HIDDEN, dtype=v.dtype), e, finite, True)
         c3, col_scale = empty(p, 3 * HIDDEN, dtype=torch.int8), empty(p, dtype=torch.float64)
         row_scale, bias = empty(rows, dtype=torch.float64), empty(p, dtype=v.dtype)
-        linear_kernels.head_logits(a3, row_scale, c3, col_scale, bias, 0.5)
+        tau = Temperature.of(0.7)  # the forward's launch: with the row max in the epilogue
+        linear_kernels.head_logits(a3, row_scale, c3, col_scale, bias, 0.5, max_of=(tau, p))
         return
     target = empty(rows, dtype=torch.int64)
     row_max = empty(rows, dtype=torch.float32)

@@ -382,12 +382,14 @@ class TritonBackend(Backend):
 
         return on_device(linear_kernels.head_slices)(x, e, finite, reverse)
 
-    def head_logits(self, a3, row_scale, c3, col_scale, bias, logit_scale, out=None):
-        """linear_kernels.head_logits: L3-L5 of a block of logits in one kernel."""
+    def head_logits(self, a3, row_scale, c3, col_scale, bias, logit_scale, out=None,
+                    max_of=None):  # fmt: skip
+        """linear_kernels.head_logits: L3-L5 of a block of logits in one kernel (and, with
+        max_of = (temperature, real columns), their row_max from its epilogue)."""
         from . import linear_kernels
 
         return on_device(linear_kernels.head_logits)(
-            a3, row_scale, c3, col_scale, bias, logit_scale, out
+            a3, row_scale, c3, col_scale, bias, logit_scale, out, max_of=max_of
         )
 
 

@@ -251,13 +251,19 @@ def head_logits_kernel(
     col_scale_ptr,  # [P] fp64: 2^f_v, NaN for a non-finite weight row
     bias_ptr,  # [P] any float (unused without HAS_BIAS)
     out_ptr,  # [M, P] fp32 out, row stride stride_out
+    tau_ptr,  # [M] fp32 temperature, stride_tau 0 for a scalar (unused unless HAS_TAU)
+    max_ptr,  # [M, num_programs(1)] fp32 out: the tiles' maxima of y (unused unless WRITE_MAX)
     M,
     P,
     K,
     stride_out,
+    stride_tau,
+    n_real,  # columns below the padding: the max leaves the others out
     logit_scale,  # fp32, already rounded
     HAS_BIAS: tl.constexpr,
     HAS_SCALE: tl.constexpr,
+    WRITE_MAX: tl.constexpr,
+    HAS_TAU: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -290,25 +296,55 @@ def head_logits_kernel(
         out = out * logit_scale
     offs = rm.to(tl.int64)[:, None] * stride_out + rn.to(tl.int64)[None, :]
     tl.store(out_ptr + offs, out, mask=row_ok[:, None] & col_ok[None, :])
+    # --- the softmax's max pass on this tile: kernels.row_max_kernel's arithmetic ---
+    if WRITE_MAX:
+        y = out
+        if HAS_TAU:
+            tau = tl.load(tau_ptr + rm.to(tl.int64) * stride_tau, mask=row_ok, other=1.0)
+            y = tl.math.div_rn(y, tau[:, None])  # IEEE fp32 division, round to nearest even
+        ok = (rn < n_real)[None, :] & (y == y) & (y != float("inf"))  # NaN, +inf not maxed
+        top = tl.max(tl.where(ok, y, float("-inf")), axis=1)
+        slot = rm.to(tl.int64) * tl.num_programs(1) + tl.program_id(1)
+        tl.store(max_ptr + slot, top, mask=row_ok)
 
 
 def head_logits(a3, row_scale, c3, col_scale, bias, logit_scale: float, out=None,
-                tile: HeadTile | None = None):  # fmt: skip
+                tile: HeadTile | None = None, max_of=None):  # fmt: skip
     """(M, P) fp32 = linear_contract.logits_block of the rows whose diagonal layouts are
     a3 (M, 3K, reversed) and c3 (P, 3K), written into `out` (unit column stride) if given;
-    on `tile` (HEAD_TILE by default)."""
+    on `tile` (HEAD_TILE by default).
+
+    max_of: None, or (temperature, n_real) -- then returns (logits, (M,) fp32 row max):
+    Backend.row_max of these logits (the max of y = logits / tau over the first n_real
+    columns, NaN and +inf left out, -inf if none), from the tiles' maxima the epilogue
+    writes: the softmax's max pass need not read the logits again."""
     tile = tile or HEAD_TILE
     m, p = a3.shape[0], c3.shape[0]
     k = a3.shape[1] // 3
-    out = torch.empty(m, p, dtype=torch.float32, device=a3.device) if out is None else out
+    dev = a3.device
+    out = torch.empty(m, p, dtype=torch.float32, device=dev) if out is None else out
     if m == 0 or p == 0:
-        return out
+        if max_of is None:
+            return out
+        return out, torch.full((m,), float("-inf"), dtype=torch.float32, device=dev)
     grid = (triton.cdiv(m, tile.block_m), triton.cdiv(p, tile.block_n))
+    tau, stride_tau, has_tau, n_real, maxima = out, 0, False, p, out  # stand-ins
+    if max_of is not None:
+        temperature, n_real = max_of
+        if temperature.per_row:
+            tau, stride_tau, has_tau = temperature.rows.to(dev).contiguous(), 1, True
+        elif not temperature.is_one:  # torch.full: the host does not wait on the device
+            tau = torch.full((1,), temperature.scalar, dtype=torch.float32, device=dev)
+            has_tau = True
+        maxima = torch.empty(m, grid[1], dtype=torch.float32, device=dev)
     head_logits_kernel[grid](
         a3, c3, row_scale.contiguous(), col_scale.contiguous(),
-        c3 if bias is None else bias.contiguous(), out, m, p, k, out.stride(0),
-        logit_scale, HAS_BIAS=bias is not None, HAS_SCALE=logit_scale != 1.0,
+        c3 if bias is None else bias.contiguous(), out, tau, maxima, m, p, k, out.stride(0),
+        stride_tau, n_real, logit_scale, HAS_BIAS=bias is not None,
+        HAS_SCALE=logit_scale != 1.0, WRITE_MAX=max_of is not None, HAS_TAU=has_tau,
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, FOLD=FOLD_K,
         num_warps=tile.num_warps, num_stages=tile.num_stages, enable_fp_fusion=False,
     )  # fmt: skip
-    return out
+    if max_of is None:
+        return out
+    return out, (maxima[:, 0] if grid[1] == 1 else maxima.amax(dim=1))
