@@ -211,6 +211,26 @@ def test_past_the_keep_budget_the_backward_computes_the_logits_once_on_a_predict
         assert_bitwise_equal(a, b)
 
 
+def test_no_bound_is_kept_where_no_hidden_gradient_can_flow(monkeypatch):
+    """Past the budget the forward keeps a _GridBound only when a hidden gradient can flow:
+    not under no_grad (though hidden requires grad), nor for hidden without requires_grad."""
+    from exactlogp import linear
+
+    monkeypatch.setattr(linear, "GRAD_KEEP_BYTES", 0)
+    built = []
+    real = linear._GridBound.__init__
+    monkeypatch.setattr(linear._GridBound, "__init__",
+                        lambda self, *a: built.append(1) or real(self, *a))  # fmt: skip
+    h, w, t = lm_head_inputs(5, 16, 40, torch.bfloat16, seed=2)
+    hh = h.clone().requires_grad_(True)
+    with torch.no_grad():
+        exactlogp.linear_selected_logprobs(hh, w, t)
+    exactlogp.linear_selected_logprobs(h, w.clone().requires_grad_(True), t)
+    assert built == []
+    exactlogp.linear_selected_logprobs(hh, w, t)
+    assert built == [1]
+
+
 def test_a_wrong_prediction_costs_its_rows_a_second_pass_not_bits(monkeypatch):
     """Predictions too high, too low (far below: the slices are clamped) and absent for some
     rows: those rows, and only those, are sliced again from their own logits on the true

@@ -51,7 +51,8 @@ def layouts(world: int):
 
 def world_worker(rank, world, group, inputs):
     """Each layout; the uneven one also with the backward on a predicted grid (dL/dz past
-    GRAD_KEEP_BYTES: one more all_reduce(MAX), every rank slicing on the same grid)."""
+    GRAD_KEEP_BYTES: one more all_reduce(MAX), every rank slicing on the same grid), on
+    every rank or only on the wider shards."""
     from exactlogp import linear
 
     h, w, bias, t = inputs
@@ -65,10 +66,14 @@ def world_worker(rank, world, group, inputs):
         args = (h, wp[lo:hi], bp[lo:hi], t)
         kw = dict(tp_group=group, vocab_start=start, vocab_size=VOCAB)
         out[name] = run(*args, **kw)
-        if name == "uneven":
-            keep, linear.GRAD_KEEP_BYTES = linear.GRAD_KEEP_BYTES, 0
+        # the uneven layout again: every rank on a predicted grid, then the ranks of at
+        # most 101 columns keeping dL/dz while the wider ones predict
+        for tail, budget in (("predicted", 0), ("mixed", 4 * ROWS * 101)):
+            if name != "uneven":
+                break
+            keep, linear.GRAD_KEEP_BYTES = linear.GRAD_KEEP_BYTES, budget
             try:
-                out["uneven-predicted"] = run(*args, **kw)
+                out[f"uneven-{tail}"] = run(*args, **kw)
             finally:
                 linear.GRAD_KEEP_BYTES = keep
     return out
@@ -105,7 +110,7 @@ def test_every_tp_layout_gives_the_tp1_bits_forward_and_backward(world, expected
     outs, dh, dw, db = expected
     assert len(results["layouts", world]) == world
     for rank, per_layout in enumerate(results["layouts", world]):
-        assert set(per_layout) == {"even", "uneven", "uneven-predicted"}
+        assert set(per_layout) == {"even", "uneven", "uneven-predicted", "uneven-mixed"}
         for name, (got_outs, got_dh, got_dw, got_db) in per_layout.items():
             lo, hi = layouts(world)[name.split("-")[0]][0][rank]
             what = f"world {world} rank {rank} {name}"

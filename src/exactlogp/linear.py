@@ -169,7 +169,7 @@ class LinearLogitsFunction(torch.autograd.Function):
 
 class LinearSelectedLogprobsFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, target, call: Call, prepared):
+    def forward(ctx, hidden, weight, bias, target, call: Call, prepared, grad_mode: bool):
         w = _Weight(weight, bias, call.linear.logit_scale, call.backend, prepared)
         n = hidden.shape[0]
         # a strong hash of each row's bits rides the MAX: ranks with other hidden states fail
@@ -177,8 +177,8 @@ class LinearSelectedLogprobsFunction(torch.autograd.Function):
         per_pass = max(1, LOGITS_BUDGET // (4 * max(weight.shape[0], 1) * ROW_BLOCK)) * ROW_BLOCK
         # where the backward cannot keep dL/dz, it slices the hidden gradient on a grid
         # predicted from the logits seen here (and checks the prediction per row)
-        bound = None
-        if ctx.needs_input_grad[0] and 4 * n * weight.shape[0] > GRAD_KEEP_BYTES:
+        bound = None  # (grad_mode: the caller's; needs_input_grad is set under no_grad too)
+        if grad_mode and ctx.needs_input_grad[0] and 4 * n * weight.shape[0] > GRAD_KEEP_BYTES:
             bound = _GridBound(w, call.plan, n, hidden.device)
         parts = []
         real = call.plan.real_columns(weight.shape[0])
@@ -225,30 +225,37 @@ class LinearSelectedLogprobsFunction(torch.autograd.Function):
                 grads.weight_block(rows, g)
                 grads.track(rows, g)
         if not grads.needs_hidden:  # no collective: nothing the ranks must pair
-            return None, grads.dw, grads.db, None, None, None
+            return None, grads.dw, grads.db, None, None, None, None
         group = call.group
         if not group.distributed:
             big = _hidden_passes(grads, w, dlogits, block, bound)
-            return grads.hidden(big), grads.dw, grads.db, None, None, None
+            return grads.hidden(big), grads.dw, grads.db, None, None, None, None
         # the backward's collectives, under the group's lock as the forward's are
         with distributed.serialized(group):
             if ctx.poisoned:  # the forward failed closed on every rank: no collective here
                 grads.disagree = torch.ones((), dtype=torch.bool, device=hidden.device)
                 dh = grads.poison(torch.empty_like(hidden))
-                return dh, grads.poison(grads.dw), grads.poison(grads.db), None, None, None
+                return dh, grads.poison(grads.dw), grads.poison(grads.db), None, None, None, None
             rows_check = torch.cat([target.unsqueeze(0), ctx.hashes, agreement.row_hash(upstream)])
             check = BackwardCheck(call, rows_check)
             big = _hidden_passes(grads, w, dlogits, block, bound, group, check)
             dh = grads.hidden(big, group)
-        return grads.poison(dh), grads.poison(grads.dw), grads.poison(grads.db), None, None, None
+        return (
+            grads.poison(dh),
+            grads.poison(grads.dw),
+            grads.poison(grads.db),
+            None,
+            None,
+            None,
+            None,
+        )
 
 
 def _hidden_passes(grads, w, dlogits, block, bound, group=None, check=None) -> torch.Tensor:
     """The hidden gradient's grid G (N,) and its slices summed into grads.z.
 
-    A rank without a bound has run pass 1 (dW, db, the rows' largest terms); alone it then
-    takes the grid and runs pass 2 over the vocabulary, from kept dL/dz or from the logits
-    again. A rank with a _GridBound takes the grid predicted from it and runs one pass
+    A rank without a bound has run pass 1 (dW, db, the rows' largest terms, dL/dz kept);
+    alone it then takes the grid and runs pass 2 over the kept dL/dz. A rank with a _GridBound takes the grid predicted from it and runs one pass
     that makes dW, db, the largest terms and the hidden slices on the predicted grid, then
     the true grid, and slices again, from their own logits, only the rows whose prediction
     missed (one host sync to count them). The same integers either way: a row's slices
@@ -535,7 +542,8 @@ class _Grads:
         """Adds this block's two slices of sum_v D[n, v] C[v, k] (a NaN row of g spoils
         only its own row of the sums, which comes out NaN anyway) -- into the rows `index`
         of the sums if given. `guessed`: `big` is a prediction, wrong for some rows; their
-        terms are clamped to +-2^G so that the slices stay within their bounds (a no-op on
+        terms are clamped to +-2^G so that even there the GEMM's operands stay within
+        exact_dot's |.| <= 2^20 (those rows' sums are discarded and made again; a no-op on
         the rows where it is right, |term| < 2^G there)."""
         y = lc.hidden_grad_terms(g, self.w.f[rows])
         if guessed:
@@ -672,7 +680,7 @@ def linear_selected_logprobs(
         )  # fmt: skip
         outputs = LinearSelectedLogprobsFunction.apply(
             hidden.reshape(-1, hidden.shape[-1]), weight, bias,
-            target.reshape(-1).to(torch.int64), call, prepared,
+            target.reshape(-1).to(torch.int64), call, prepared, torch.is_grad_enabled(),
         )  # fmt: skip
     return shaped_result(call, *outputs)
 

@@ -265,7 +265,8 @@ def tile_sweep(device: torch.device, tiny: bool, repeats: int, warmup: int, log)
         seconds = measure.interleaved(run, repeats, warmup=warmup, clock=clock,
                                       on_run=partial(_see, seen))  # fmt: skip
         want = seen[lk.HEAD_TILE]
-        same = {tile: seen[tile] is not None and torch.equal(seen[tile], want) for tile in run}
+        same = {tile: want is not None and seen[tile] is not None
+                and torch.equal(seen[tile], want) for tile in run}  # fmt: skip
         for tile in lk.HEAD_TILES:
             timing = vars(measure.Timing.of(seconds[tile]))
             rows.append({"shape": f"head-logits tiles {n}x{h}", "rows": n, "cols": v,
@@ -283,8 +284,8 @@ def tile_sweep(device: torch.device, tiny: bool, repeats: int, warmup: int, log)
 def _see(seen: dict, tile, out) -> None:
     """Keeps the bits of a head_logits launch's (logits, row max) for its tile, as int32 on
     the device (compared there: no copy to the host per run); None once two runs of the
-    tile disagreed."""
-    bits = torch.cat([out[0].reshape(-1), out[1]]).view(torch.int32)
+    tile disagreed. A zero max counts as +0: its sign is not pinned (numerics.md, 7)."""
+    bits = torch.cat([out[0].reshape(-1), out[1] + 0.0]).view(torch.int32)
     if tile not in seen:
         seen[tile] = bits
     elif seen[tile] is not None and not torch.equal(seen[tile], bits):

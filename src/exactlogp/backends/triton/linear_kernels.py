@@ -319,6 +319,7 @@ def head_logits(a3, row_scale, c3, col_scale, bias, logit_scale: float, out=None
     columns, NaN and +inf left out, -inf if none), from the tiles' maxima the epilogue
     writes: the softmax's max pass need not read the logits again."""
     tile = tile or HEAD_TILE
+    assert FOLD_K % tile.block_k == 0, "a fold must end at a K-block's end"
     m, p = a3.shape[0], c3.shape[0]
     k = a3.shape[1] // 3
     dev = a3.device
