@@ -261,3 +261,30 @@ def test_the_fused_route_reads_its_row_max_from_the_epilogue(monkeypatch):
     exactlogp.linear_selected_logprobs(h, w, t, temperature=0.8, vocab_size=85,
                                        backend=TritonBackend(exact_gemm="fp64"))  # fmt: skip
     assert launched == [1]  # the other routes keep their max pass
+
+
+def test_class_max_kernel_gives_the_default_maxima():
+    """launch.class_max (one program per row, no atomics) against Backend.class_max's
+    scatter_reduce: ties, -inf and +inf logits, columns of no class, skipped columns (and
+    none), a row whose every column is skipped or classless, several column steps; a zero
+    max's sign aside. The default leaves z as it was."""
+    from exactlogp.backends.base import Backend
+
+    gen = torch.Generator().manual_seed(11)
+    r, p, classes = 7, 300, 32
+    z = torch.randn(r, p, generator=gen).round(decimals=1)  # ties
+    z[1, 5], z[2, 7], z[3] = float("inf"), float("-inf"), 0.0
+    z[3, 2] = -0.0
+    cls = torch.randint(0, classes + 3, (p,), generator=gen, dtype=torch.int32)
+    cls[:40] = 2  # a crowded class
+    cls[cls == 31] = 30  # and an empty one
+    skip = torch.tensor([-1, 0, 5, 299, 40, -1, 17])
+    z[6] = float("nan")  # a NaN row: anything goes there
+    before = z.clone()
+    want = Backend().class_max(z, cls, skip, classes)
+    assert torch.equal(z.view(torch.int32), before.view(torch.int32))
+    got = launch.class_max(z.to(DEVICE), cls.to(DEVICE), skip.to(DEVICE), classes).cpu()
+    assert_bitwise_equal(got[:6] + 0.0, want[:6] + 0.0)
+    assert (want[:6] == float("-inf")).any() and (want[:6] == float("inf")).any()
+    none = launch.class_max(z[:, :0].to(DEVICE), cls[:0].to(DEVICE), skip.to(DEVICE), classes)
+    assert torch.equal(none.cpu(), torch.full((r, classes), float("-inf")))

@@ -307,7 +307,8 @@ class _GridBound:
     f where this shard owns it: the backward's gradient of those few columns gives the
     predicted largest term. A prediction is checked per row against the true grid, so a
     wrong one (an entropy gradient, exp_c's rare decreasing pair, the lumped class) costs
-    time, never bits. No host sync, nothing of size [N, V] kept."""
+    time, never bits. One read of the logits per pass (Backend.class_max), no host sync,
+    nothing of size [N, V] kept."""
 
     CLASSES = 32
 
@@ -317,31 +318,28 @@ class _GridBound:
         low = torch.iinfo(torch.int64).min
         f_top = torch.where(valid, w.f, low).amax() if v else torch.zeros((), dtype=torch.int64)
         f_top = torch.where(f_top == low, 0, f_top).to(device)  # no valid column: any value
-        self.cls = torch.where(valid, (f_top - w.f).clamp(0, self.CLASSES - 1), self.CLASSES)
+        cls = torch.where(valid, (f_top - w.f).clamp(0, self.CLASSES - 1), self.CLASSES)
+        self.cls = cls.to(torch.int32)
         self.f_class = f_top - torch.arange(self.CLASSES, device=device)
         self.zmax = torch.full((n, self.CLASSES), -torch.inf, device=device)
         self.z_t = torch.full((n,), -torch.inf, device=device)
         self.f_t = torch.zeros(n, dtype=torch.int64, device=device)
         self.owned = torch.zeros(n, dtype=torch.bool, device=device)
-        self.plan, self.f = plan, w.f
+        self.plan, self.f, self.backend = plan, w.f, w.backend
 
     def add(self, r0: int, z: torch.Tensor, target: torch.Tensor) -> None:
-        """Rows r0.. of their logits z (R, V_local) fp32 (put back bit for bit after)."""
+        """Rows r0.. of their logits z (R, V_local) fp32 (left as they are)."""
         r, v = z.shape
         if r == 0 or v == 0:
             return
         col = self.plan.target_columns(target, v)  # -1 where not owned here
         owned = col >= 0
-        at = col.clamp(min=0).unsqueeze(1)
-        z_t = z.gather(1, at)
-        z.scatter_(1, at, torch.where(owned.unsqueeze(1), -torch.inf, z_t))  # out of its class
-        part = torch.full((r, self.CLASSES + 1), -torch.inf, device=z.device)
-        part.scatter_reduce_(1, self.cls.expand(r, v), z, "amax")
-        z.scatter_(1, at, z_t)
+        at = col.clamp(min=0)
         rows = slice(r0, r0 + r)
-        self.zmax[rows] = part[:, : self.CLASSES]
-        self.z_t[rows] = torch.where(owned, z_t.squeeze(1), -torch.inf)
-        self.f_t[rows] = self.f[at.squeeze(1)]
+        self.zmax[rows] = self.backend.class_max(z, self.cls, col, self.CLASSES)
+        z_t = z.gather(1, at.unsqueeze(1)).squeeze(1)
+        self.z_t[rows] = torch.where(owned, z_t, -torch.inf)
+        self.f_t[rows] = self.f[at]
         self.owned[rows] = owned
 
 

@@ -139,6 +139,25 @@ class Backend:
         """(N,) fp32: max of valid finite-or--inf y over this shard; -inf if none."""
         raise NotImplementedError
 
+    def class_max(self, z: torch.Tensor, cls: torch.Tensor, skip: torch.Tensor, classes: int):
+        """(R, classes) fp32: for each row of z (R, P) fp32 and each class k < classes, the
+        max of z over the columns v with cls[v] == k (cls (P,) int32; a column of class
+        `classes` or more belongs to none), the column skip[r] (R,) int64 of row r left out
+        (-1: none); -inf where a class has no column. Rows holding a NaN may give anything
+        (the fused head's backward never uses their maxima: exactlogp.linear._GridBound).
+        This default: one scatter_reduce; z is modified and put back bit for bit."""
+        r, p = z.shape
+        out = torch.full((r, classes + 1), float("-inf"), dtype=torch.float32, device=z.device)
+        if r == 0 or p == 0:
+            return out[:, :classes]
+        at = skip.clamp(min=0).unsqueeze(1)
+        kept = z.gather(1, at)
+        z.scatter_(1, at, torch.where(skip.unsqueeze(1) >= 0, float("-inf"), kept))
+        which = cls.clamp(max=classes).to(torch.int64).expand(r, p)
+        out.scatter_reduce_(1, which, z, "amax")
+        z.scatter_(1, at, kept)
+        return out[:, :classes]
+
     def partials(self, logits, target, temperature, keep_mask, row_max, plan) -> torch.Tensor:
         """(N, contract.NUM_COLS) int64: this shard's exact row record."""
         raise NotImplementedError

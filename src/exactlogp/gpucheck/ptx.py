@@ -15,8 +15,8 @@ any machine, so these checks run in CI:
 It also reports registers, spills, fp64 divisions and SASS instruction counts (DFMA must
 be 0 outside the IEEE fp64 division sequences, so it is checked on the kernels without a
 division: the max and partials passes). Kernels: max pass, partials pass, finalize, gradient,
-the exact cut's chunk maxima, the value tables' kernels and the exact LM head's int8 GEMM
-(integer only).
+the exact cut's chunk maxima, the value tables' kernels, the exact LM head's int8 GEMMs
+and the class maxima of its backward's predicted grid.
 What is compiled is the specialisation a GPU run JITs: launch.py's own launch on the
 Qwen3-Next shape is captured (its arguments, launch options and grid) and bound by
 Triton's own binder, so the dtypes, divisibility hints and constexprs are the real ones.
@@ -63,7 +63,7 @@ ROWS, VOCAB, SMS = 1024, 151936, 132
 class Variant:
     kernel: str  # "row_max" | "partials" | "grad" | "finalize" | "tables" | "tables_grad"
     #              | "chunk_max" | "exact_dot" | "head" (the fused LM head: head_slices,
-    #              head_logits)
+    #              head_logits) | "class_max" (its backward's predicted grid)
     dtype: torch.dtype | None  # of the logits (head: of the hidden states); None for
     #                            finalize and exact_dot
     flags: tuple[str, ...] = ()  # "tau", "keep", "entropy"; finalize: "vocab_size", "bad_tau"
@@ -90,6 +90,7 @@ def variants(quick: bool) -> list[Variant]:
         Variant("chunk_max", bf16, ("tau",)),  # the exact cut's chunk maxima (sampling.CHUNK)
         Variant("exact_dot", None),
         Variant("head", bf16),
+        Variant("class_max", None),  # the fused head's predicted grid (linear._GridBound)
         # a decode step: one row
         Variant("row_max", bf16, ("tau", "keep"), rows=1),
         Variant("partials", bf16, ("tau", "keep", "entropy"), rows=1),
@@ -130,7 +131,7 @@ class _Capture:
 
 _KERNELS = {
     kernels: ("row_max_kernel", "partials_kernel", "finalize_kernel", "grad_kernel",
-              "chunk_max_kernel"),
+              "chunk_max_kernel", "class_max_kernel"),
     value_tables: ("count_kernel", "list_kernel", "sums_kernel", "grad_values_kernel",
                    "gather_kernel", "grad_target_kernel"),
     linear_kernels: ("exact_dot_kernel", "head_slices_kernel", "head_logits_kernel"),
@@ -177,6 +178,11 @@ def _launch(v: Variant, rows: int, vocab: int) -> None:
         zeros = torch.zeros  # int8_slices does arithmetic on them
         weight = zeros(_same_specialisation(vocab // 4), HIDDEN)
         linear_kernels.exact_dot(zeros(rows, HIDDEN), weight)
+        return
+    if v.kernel == "class_max":  # the TP4 shard's logits of `rows` rows, 32 classes
+        p = _same_specialisation(vocab // 4)
+        launch.class_max(empty(rows, p), empty(p, dtype=torch.int32),
+                         empty(rows, dtype=torch.int64), 32)  # fmt: skip
         return
     if v.kernel == "head":  # the same, on the fused route, with a bias and a logit scale
         p = _same_specialisation(vocab // 4)

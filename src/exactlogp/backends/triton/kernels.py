@@ -262,6 +262,37 @@ def row_max_kernel(
     tl.store(out_ptr + slot, tl.max(acc, axis=0))
 
 
+# --- the class maxima of the fused LM head's backward (Backend.class_max) ---
+
+
+@triton.jit
+def class_max_kernel(
+    z_ptr,  # [R, P] fp32 logits, row stride stride_z, unit column stride
+    cls_ptr,  # [P] int32 class of each column (CLASSES or more: none)
+    skip_ptr,  # [R] int64 the column each row leaves out (-1: none)
+    out_ptr,  # [R, CLASSES] fp32 out
+    P,
+    stride_z,
+    CLASSES: tl.constexpr,  # a power of two
+    BLOCK_V: tl.constexpr,
+):
+    """One program per row: the max of z over each class's columns, -inf for none. Plain
+    compares and selects, no atomics: a row's columns fall into a few classes, which
+    atomics would serialise on."""
+    row = tl.program_id(0).to(tl.int64)
+    skip = tl.load(skip_ptr + row)
+    ks = tl.arange(0, CLASSES)
+    acc = tl.full([CLASSES], float("-inf"), tl.float32)
+    for c0 in range(0, P, BLOCK_V):
+        cols = c0 + tl.arange(0, BLOCK_V)
+        ok = (cols < P) & (cols != skip)
+        z = tl.load(z_ptr + row * stride_z + cols, mask=ok, other=float("-inf"))
+        c = tl.load(cls_ptr + cols, mask=ok, other=CLASSES)
+        hit = c[None, :] == ks[:, None]  # [CLASSES, BLOCK_V]
+        acc = tl.maximum(acc, tl.max(tl.where(hit, z[None, :], float("-inf")), axis=1))
+    tl.store(out_ptr + row * CLASSES + ks, acc)
+
+
 # --- the chunk maxima of the exact cut (Backend.chunk_max) ---
 
 

@@ -155,6 +155,27 @@ def grad(logits, target, temperature, keep_mask, stats: GradStats, plan: ShardPl
     return out.view(logits.shape)
 
 
+CLASS_MAX_BLOCK_V = 128  # columns per step of class_max_kernel: [32, 128] compares
+
+
+@on_device
+def class_max(z, cls, skip, classes: int):
+    """Backend.class_max: one program per row (class_max_kernel)."""
+    r, p = z.shape
+    out = torch.empty(r, classes, dtype=torch.float32, device=z.device)
+    if r == 0 or p == 0 or classes == 0:
+        return out.fill_(float("-inf"))
+    if classes & (classes - 1):
+        raise ValueError(f"classes must be a power of two here, got {classes}")
+    z = z if z.stride(-1) == 1 else z.contiguous()
+    kernels.class_max_kernel[(r,)](
+        z, cls.to(torch.int32).contiguous(), skip.to(torch.int64).contiguous(), out, p,
+        z.stride(0), CLASSES=classes, BLOCK_V=CLASS_MAX_BLOCK_V, num_warps=4,
+        enable_fp_fusion=False,  # compares and selects only; the compiled-code check asks
+    )  # fmt: skip
+    return out
+
+
 @on_device
 def chunk_max(logits, temperature, plan: ShardPlan, chunk: int, cfg=None):
     """Backend.chunk_max: one program per (row, block of chunks), each step BLOCK_C chunks
@@ -318,6 +339,9 @@ class TritonBackend(Backend):
 
     def chunk_max(self, logits, temperature, plan, chunk):
         return chunk_max(logits, temperature, plan, chunk)
+
+    def class_max(self, z, cls, skip, classes):
+        return class_max(z, cls, skip, classes)
 
     def partials(self, logits, target, temperature, keep_mask, row_max_, plan):
         if self.uses_tables(logits, plan):
