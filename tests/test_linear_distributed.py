@@ -16,7 +16,12 @@ import torch
 import torch.distributed as dist
 
 import exactlogp
-from exactlogp.testing import assert_bitwise_equal, lm_head_inputs, run_gloo_world
+from exactlogp.testing import (
+    assert_bitwise_equal,
+    grad_keep_bytes,
+    lm_head_inputs,
+    run_gloo_world,
+)
 
 VOCAB = 301
 ROWS, HIDDEN = 20, 48
@@ -53,8 +58,6 @@ def world_worker(rank, world, group, inputs):
     """Each layout; the uneven one also with the backward on a predicted grid (dL/dz past
     GRAD_KEEP_BYTES: one more all_reduce(MAX), every rank slicing on the same grid), on
     every rank or only on the wider shards."""
-    from exactlogp import linear
-
     h, w, bias, t = inputs
     out = {}
     for name, (ranges, padded) in layouts(world).items():
@@ -71,11 +74,8 @@ def world_worker(rank, world, group, inputs):
         for tail, budget in (("predicted", 0), ("mixed", 4 * ROWS * 101)):
             if name != "uneven":
                 break
-            keep, linear.GRAD_KEEP_BYTES = linear.GRAD_KEEP_BYTES, budget
-            try:
+            with grad_keep_bytes(budget):
                 out[f"uneven-{tail}"] = run(*args, **kw)
-            finally:
-                linear.GRAD_KEEP_BYTES = keep
     return out
 
 

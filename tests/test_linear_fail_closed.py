@@ -163,14 +163,11 @@ def good_call(rank, world, group, inputs):
 def predicted(case):
     """`case` with the backward on a predicted grid (GRAD_KEEP_BYTES 0): its check rides
     the prediction's all_reduce(MAX), before any pass over the vocabulary."""
-    from exactlogp import linear
+    from exactlogp.testing import grad_keep_bytes
 
     def run(*args):
-        keep, linear.GRAD_KEEP_BYTES = linear.GRAD_KEEP_BYTES, 0
-        try:
+        with grad_keep_bytes(0):
             return case(*args)
-        finally:
-            linear.GRAD_KEEP_BYTES = keep
 
     return run
 

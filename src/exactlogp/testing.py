@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import random
 from typing import NamedTuple
@@ -474,3 +475,16 @@ def fp64_reference_grad(
     # y = x / tau with tau rounded to fp32, so dy/dx = 1 / fp32(tau)
     tau = torch.as_tensor(temperature).to(torch.float32).to(torch.float64)
     return g / (col(tau) if tau.dim() else tau)
+
+
+@contextlib.contextmanager
+def grad_keep_bytes(budget: int):
+    """linear.GRAD_KEEP_BYTES = budget inside the block (the forwards it runs decide their
+    backwards' path: 0 puts every backward on the predicted grid); restored after."""
+    from . import linear
+
+    keep, linear.GRAD_KEEP_BYTES = linear.GRAD_KEEP_BYTES, budget
+    try:
+        yield
+    finally:
+        linear.GRAD_KEEP_BYTES = keep

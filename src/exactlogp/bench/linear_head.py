@@ -35,7 +35,7 @@ import exactlogp
 from exactlogp import linear
 from exactlogp.bench.cpu import isa_caps
 from exactlogp.report import measure
-from exactlogp.testing import lm_head_inputs
+from exactlogp.testing import grad_keep_bytes, lm_head_inputs
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -44,12 +44,8 @@ def steps(h, w, t):
     """{name: (forward, forward_backward)} on the inputs."""
 
     def exact(x, wt, backward, predicted=False):
-        keep = linear.GRAD_KEEP_BYTES
-        linear.GRAD_KEEP_BYTES = 0 if predicted else keep  # the forward decides
-        try:
+        with grad_keep_bytes(0 if predicted else linear.GRAD_KEEP_BYTES):
             res = exactlogp.linear_selected_logprobs(x, wt, t)
-        finally:
-            linear.GRAD_KEEP_BYTES = keep
         if backward:
             (-res.logprobs.sum()).backward()
         return res.logprobs

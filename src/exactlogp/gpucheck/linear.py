@@ -30,7 +30,7 @@ from ..backends import get_backend
 from ..backends.base import EXACT_GEMM_ROUTES
 from ..report import candidates, measure
 from ..temperature import Temperature
-from ..testing import bit_pattern, compare_bits, lm_head_inputs
+from ..testing import bit_pattern, compare_bits, grad_keep_bytes, lm_head_inputs
 
 QWEN3_NEXT_HIDDEN = 2048
 
@@ -50,14 +50,10 @@ def run_bits(device: torch.device, tiny: bool, log) -> list[dict]:
     def run(backend, dev, predicted=False):
         hh, ww, bb = (x.to(dev).detach().requires_grad_(True) for x in (hid, w, bias))
         z = exactlogp.linear_logits(hh.detach(), ww.detach(), bb.detach(), backend=backend)
-        keep = exact_head.GRAD_KEEP_BYTES
-        exact_head.GRAD_KEEP_BYTES = 0 if predicted else keep  # the forward decides
-        try:
+        with grad_keep_bytes(0 if predicted else exact_head.GRAD_KEEP_BYTES):
             res = exactlogp.linear_selected_logprobs(
                 hh, ww, t.to(dev), bias=bb, with_entropy=True, backend=backend
             )
-        finally:
-            exact_head.GRAD_KEEP_BYTES = keep
         (res.logprobs.sum() + 0.5 * res.entropy.sum()).backward()
         named = {"logits": z, "logprobs": res.logprobs, "entropy": res.entropy, "lse": res.lse,
                  "grad hidden": hh.grad, "grad weight": ww.grad, "grad bias": bb.grad}  # fmt: skip
@@ -175,12 +171,8 @@ def _latency(device, shape, n, h, v, routes, prepared, repeats, warmup, log) -> 
 
         def step(backward):
             x, wt = with_grad() if backward else (hid, handle if prepared else w)
-            keep = exact_head.GRAD_KEEP_BYTES
-            exact_head.GRAD_KEEP_BYTES = 0 if predicted else keep  # the forward decides
-            try:
+            with grad_keep_bytes(0 if predicted else exact_head.GRAD_KEEP_BYTES):
                 res = exactlogp.linear_selected_logprobs(x, wt, t, validate=False, backend=backend)
-            finally:
-                exact_head.GRAD_KEEP_BYTES = keep
             if backward:
                 (-res.logprobs.sum()).backward()
             return res.logprobs
