@@ -255,34 +255,30 @@ def _hidden_passes(grads, w, dlogits, block, bound, group=None, check=None) -> t
     """The hidden gradient's grid G (N,) and its slices summed into grads.z.
 
     A rank without a bound has run pass 1 (dW, db, the rows' largest terms, dL/dz kept);
-    alone it then takes the grid and runs pass 2 over the kept dL/dz. A rank with a _GridBound takes the grid predicted from it and runs one pass
-    that makes dW, db, the largest terms and the hidden slices on the predicted grid, then
-    the true grid, and slices again, from their own logits, only the rows whose prediction
-    missed (one host sync to count them). The same integers either way: a row's slices
+    it takes the grid and runs pass 2 over the kept dL/dz. A rank with a _GridBound takes
+    the grid predicted from it and runs one pass that makes dW, db, the largest terms and
+    the hidden slices on the predicted grid, then the true grid, and slices again, from
+    their own logits, only the rows whose prediction missed (one host sync to count them). The same integers either way: a row's slices
     depend only on its own dL/dz and G.
 
     In a TP group, whether a rank keeps a bound depends on its shard's width, so every
     rank makes the same two all_reduce(MAX): the guess (the bound's prediction, or the
     largest terms pass 1 found; `check` rides it, before anything sized by the vocabulary)
     and the true grid."""
-    if bound is None and group is None:
-        big = grads.grid()
-        for rows, c in w.blocks(block):  # pass 2
-            grads.hidden_block(rows, c, dlogits(rows, c), big)
-        return big
-    top = grads.row_max if bound is None else dlogits.predicted_top(bound)
-    guess = grads.grid(group, check, top=top)
-    if bound is not None:
-        for rows, c in w.blocks(block):  # the one pass
-            g = dlogits(rows, c)
-            grads.weight_block(rows, g)
-            grads.track(rows, g)
-            grads.hidden_block(rows, c, g, guess, guessed=True)
-    big = grads.grid(group)
     if bound is None:
+        if group is not None:  # the guess every rank makes: its largest terms, `check`
+            grads.grid(group, check, top=grads.row_max)
+        big = grads.grid(group)
         for rows, c in w.blocks(block):  # pass 2
             grads.hidden_block(rows, c, dlogits(rows, c), big)
         return big
+    guess = grads.grid(group, check, top=dlogits.predicted_top(bound))
+    for rows, c in w.blocks(block):  # the one pass
+        g = dlogits(rows, c)
+        grads.weight_block(rows, g)
+        grads.track(rows, g)
+        grads.hidden_block(rows, c, g, guess, guessed=True)
+    big = grads.grid(group)
     missed = torch.nonzero((big != guess) & ~grads.row_bad).squeeze(1)
     grads.missed = missed.numel()
     if grads.missed:
