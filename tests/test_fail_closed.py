@@ -191,6 +191,95 @@ def targets_differ_unvalidated(rank, world, group, inputs):
     return targets_differ(rank, world, group, inputs, validate=False)
 
 
+# --- the exact cut: the functions of one call differ between ranks, and rows it cannot
+# serve; sample's -1 and an empty keep mask are checked as NaN ---
+
+
+def _as_nan(ids: torch.Tensor) -> torch.Tensor:
+    """sample's ids with -1 (no token) as NaN, for the every-output-NaN check."""
+    return torch.where(ids == -1, float("nan"), ids.to(torch.float32))
+
+
+def _mask_as_nan(mask) -> torch.Tensor:
+    """A SamplingMask's threshold where its row keeps nothing (NaN: a row it cannot cut)."""
+    return torch.where(mask.keep_mask.any(-1), 0.0, mask.threshold)
+
+
+def _run_cut(fn, rank, world, group, inputs, validate, x=None, **kw):
+    x_all, t = inputs
+    shard = even_shard(x_all if x is None else x, rank, world)
+    common = dict(tp_group=group, vocab_size=VOCAB, validate=validate, **kw)
+    if fn == "processed":
+        return exactlogp.processed_logprobs(shard, t, top_k=5, top_p=0.9, **common).logprobs
+    if fn == "plain":
+        return exactlogp.selected_logprobs(shard, t, **common).logprobs
+    if fn == "sample":
+        u = torch.full((ROWS,), 0.5, dtype=torch.float64)
+        return _as_nan(exactlogp.sample(shard, uniforms=u, top_k=5, top_p=0.9, **common))
+    return _mask_as_nan(exactlogp.sampling_mask(shard, top_k=5, top_p=0.9, **common))
+
+
+def _functions_differ(first, other, validate):
+    def case(rank, world, group, inputs):
+        return _run_cut(first if rank == 0 else other, rank, world, group, inputs, validate)
+
+    case.__name__ = f"{first}_vs_{other}"
+    return case
+
+
+def _bad_rows(fn, what, validate):
+    """Row 2 cannot be cut: a per-row temperature of -1 / +inf / NaN / 1e-50 (float64,
+    0 in fp32: not a greedy row), or a NaN / +inf logit on the last rank's shard only;
+    validate=False: that row alone is NaN (-1, an empty keep mask)."""
+
+    def case(rank, world, group, inputs):
+        x, t = inputs
+        tau = torch.full((ROWS,), 0.8, dtype=torch.float64)
+        if what in ("-inf", "nan_tau", "tiny"):
+            tau[2] = {"-inf": -1.0, "nan_tau": float("nan"), "tiny": 1e-50}[what]
+        if what in ("nan", "inf"):
+            x = x.clone()
+            x[2, VOCAB - 3] = float(what)  # on the last rank's shard
+        out = _run_cut(fn, rank, world, group, (x, t), validate, temperature=tau)
+        return out if validate else out[2:3]
+
+    return case
+
+
+CUT_CASES = {
+    "processed_vs_plain": (_functions_differ("processed", "plain", True),
+                           r"disagree on the function called \(rank 0: processed_logprobs, "
+                           r"rank 1: selected_logprobs\)"),
+    "sample_vs_processed": (_functions_differ("sample", "processed", True),
+                            r"disagree on the function called \(rank 0: sample, rank 1: "
+                            r"processed_logprobs\)"),
+    "mask_vs_processed": (_functions_differ("mask", "processed", True),
+                          r"disagree on the function called \(rank 0: sampling_mask, rank 1: "
+                          r"processed_logprobs\)"),
+    "processed_vs_plain_unvalidated": (_functions_differ("processed", "plain", False), None),
+    "plain_vs_processed_unvalidated": (_functions_differ("plain", "processed", False), None),
+    "sample_vs_processed_unvalidated": (_functions_differ("sample", "processed", False), None),
+    "mask_vs_processed_unvalidated": (_functions_differ("mask", "processed", False), None),
+    "sample_vs_mask_unvalidated": (_functions_differ("sample", "mask", False), None),
+    "sample_vs_plain_unvalidated": (_functions_differ("sample", "plain", False), None),
+    "sample_negative_temperature": (_bad_rows("sample", "-inf", True),
+                                    r"temperature\[2\] = -1.0 must be finite and > 0"),
+    "mask_nan_temperature": (_bad_rows("mask", "nan_tau", True),
+                             r"temperature\[2\] = nan must be finite and > 0"),
+    "processed_tiny_temperature": (_bad_rows("processed", "tiny", True),
+                                   r"temperature\[2\] = 0.0 must be finite and > 0"),
+    "sample_nan_row": (_bad_rows("sample", "nan", True),
+                       r"vocab_parallel_logits row\[2\] has NaN or \+inf values"),
+    "mask_inf_row": (_bad_rows("mask", "inf", True),
+                     r"vocab_parallel_logits row\[2\] has NaN or \+inf values"),
+    "sample_negative_temperature_unvalidated": (_bad_rows("sample", "-inf", False), None),
+    "sample_tiny_temperature_unvalidated": (_bad_rows("sample", "tiny", False), None),
+    "processed_tiny_temperature_unvalidated": (_bad_rows("processed", "tiny", False), None),
+    "sample_nan_row_unvalidated": (_bad_rows("sample", "nan", False), None),
+    "mask_inf_row_unvalidated": (_bad_rows("mask", "inf", False), None),
+}  # fmt: skip
+
+
 CASES = {  # name -> (call, message every rank must raise, or None: every output NaN)
     "overlap": (overlap, r"do not tile the vocabulary: rank 0 holds \[0, 300\) and rank 1 "
                 r"holds \[200, 507\): token ids \[200, 300\) are held twice"),
@@ -221,6 +310,7 @@ CASES = {  # name -> (call, message every rank must raise, or None: every output
     "temperature_unvalidated": (temperature_differs_unvalidated, None),
     "row_temperature_unvalidated": (row_temperature_differs_unvalidated, None),
     "targets_unvalidated": (targets_differ_unvalidated, None),
+    **CUT_CASES,
 }  # fmt: skip
 
 
@@ -264,6 +354,8 @@ def _check(results, names, expected):
 
 
 FOUR_RANK_CASES = ["overlap", "gap", "uneven_default_start", "targets", "row_temperature",
+                   "processed_vs_plain_unvalidated", "sample_vs_processed_unvalidated",
+                   "mask_nan_temperature", "sample_nan_row_unvalidated",
                    "no_rows_on_one_rank", "argument_error", "targets_unvalidated"]  # fmt: skip
 
 
@@ -384,7 +476,12 @@ def test_collectives_per_forward_and_none_in_backward(validate, results):
     assert len(results) == 2
     for forward_calls, backward_calls in results:
         exact = [
-            ("all_reduce", "RedOpType.MAX", "torch.float32", (7 * ROWS + 6 + 2 * 2,)),
+            (
+                "all_reduce",
+                "RedOpType.MAX",
+                "torch.float32",
+                (11 * ROWS + 6 + agreement.NUM_KINDS + 2 * 2,),
+            ),
             ("all_reduce", "RedOpType.SUM", "torch.int64", (ROWS, contract.NUM_COLS)),
         ]
         agree = [("all_gather", "torch.int64", (agreement.VECTOR_LEN,))]

@@ -19,10 +19,10 @@ from exactlogp import (
     contract,
     processed_logprobs,
     sample,
-    sampling,
     sampling_mask,
     selected_logprobs,
 )
+from exactlogp.cut import blocks, integers
 from exactlogp.testing import assert_bitwise_equal, llm_like_logits, run_gloo_world
 
 # --- the definition, one row at a time ---
@@ -256,14 +256,73 @@ def test_sample_is_the_inverse_cdf_on_the_exact_masses():
         (dict(min_p=torch.tensor([0.5, 0.1])), ValueError, "min_p"),
         (dict(top_k=torch.tensor([[1, 2]])), ValueError, "top_k"),
         (dict(temperature=-1.0), ValueError, "temperature"),
+        (dict(temperature=1e-50), ValueError, r"temperature .*\(0: a greedy row\), got 1e-50"),
+        (dict(top_p=torch.full((4,), 0.5, requires_grad=True)), ValueError,
+         "top_p is a tensor that requires grad"),
+        (dict(min_p=torch.full((4,), 0.1, requires_grad=True)), ValueError,
+         "min_p is a tensor that requires grad"),
+        (dict(temperature=torch.tensor([1.0, -1.0, 1.0, 1.0])), ValueError,
+         r"temperature\[1\] = -1.0 must be finite and > 0"),
+        (dict(temperature=torch.tensor([1.0, 1.0, 1e-50, 1.0], dtype=torch.float64)),
+         ValueError, r"temperature\[2\] = 0.0 must be finite and > 0"),
     ],
-)
+)  # fmt: skip
 def test_bad_input_is_a_clear_error(kw, error, text):
+    """Every function of the cut raises the same error for the same bad argument (a
+    per-row temperature that is not 0 and not > 0 in fp32 included: a float64 1e-50 is no
+    greedy row)."""
     x, t = llm_like_logits(4, 50, torch.float32, seed=1)
     with pytest.raises(error, match=text):
         processed_logprobs(x, t, **kw)
     with pytest.raises(error, match=text):
         sampling_mask(x, **kw)
+    with pytest.raises(error, match=text):
+        sample(x, **kw)
+
+
+@pytest.mark.parametrize(
+    "bad", ["tau -1", "tau inf", "tau nan", "tau 1e-50", "nan", "inf", "-inf row"]
+)
+def test_a_row_the_cut_cannot_serve_is_never_a_silent_token(bad):
+    """sample and sampling_mask report the rows processed_logprobs reports -- a bad
+    per-row temperature, a NaN or +inf value, no valid column -- as an error (validate=
+    True) or as -1 / an empty keep row with a NaN threshold in that row alone."""
+    x, t = llm_like_logits(4, 300, torch.float32, seed=2)
+    tau = torch.full((4,), 0.9, dtype=torch.float64)
+    if bad.startswith("tau"):
+        tau[1] = float(bad.split()[1])
+    elif bad == "-inf row":
+        x[1] = float("-inf")
+    else:
+        x[1, 7] = float(bad)
+    kw = dict(temperature=tau, top_k=20, top_p=0.9)
+    for fn in (sample, sampling_mask, lambda x, **kw: processed_logprobs(x, t, **kw)):
+        with pytest.raises(ValueError, match=r"\[1\]"):
+            fn(x, **kw)
+    ids = sample(x, validate=False, **kw)
+    mask = sampling_mask(x, validate=False, **kw)
+    lp = processed_logprobs(x, t, validate=False, **kw).logprobs
+    assert int(ids[1]) == -1 and bool(torch.isnan(lp[1]))
+    assert not bool(mask.keep_mask[1].any()) and bool(torch.isnan(mask.threshold[1]))
+    good = torch.tensor([0, 2, 3])
+    clean = llm_like_logits(4, 300, torch.float32, seed=2)[0]
+    tau[1] = 0.9
+    assert torch.equal(ids[good], sample(clean, temperature=tau, top_k=20, top_p=0.9)[good])
+    assert torch.equal(
+        mask.keep_mask[good], sampling_mask(clean, **dict(kw, temperature=tau)).keep_mask[good]
+    )
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_a_zero_max_is_plus_zero(backend):
+    """M of a row whose largest values are -0 and +0 is +0 on every backend (and, in the
+    gloo world below, at every TP degree)."""
+    x = torch.full((2, 300), -3.0)
+    x[0, 10], x[0, 200] = -0.0, 0.0
+    x[1, 5] = -0.0
+    for kw in (dict(top_k=3), dict(top_p=0.5), {}):
+        got = sampling_mask(x, backend=backend, **kw).row_max
+        assert got.tolist() == [0.0, 0.0] and not bool(torch.signbit(got).any()), (kw, got)
 
 
 # --- one gloo world: TP 1, 2, 3, 4, 8 with uneven shards ---
@@ -331,6 +390,10 @@ def rank_worker(rank, world, group, inputs):
     x, t, kw, u = inputs
     lo, hi = shard_bounds(world)[rank]
     out = run_all(x[:, lo:hi], t, kw, u, tp_group=group, vocab_start=lo)
+    zeros = torch.full((2, VOCAB), -3.0)
+    zeros[:, 0], zeros[:, -1] = -0.0, 0.0  # a -0 on the first shard, a +0 on the last
+    out["zero_max"] = sampling_mask(zeros[:, lo:hi], top_k=2, tp_group=group,
+                                    vocab_start=lo).row_max  # fmt: skip
     # ranks that disagree on a per-row top_p: NaN everywhere (validate=False), an error
     # on every rank (validate=True)
     if world > 1:
@@ -386,6 +449,7 @@ def test_every_tp_degree_gives_the_same_bits(world, world_results):
         for name in ("keep", "keep0", "keep1"):
             assert torch.equal(got[name], want[name][:, lo:hi]), f"{what} {name}"
         assert_bitwise_equal(got["grad"], want["grad"][:, lo:hi], f"{what} gradient")
+        assert_bitwise_equal(got["zero_max"], torch.zeros(2), f"{what} a zero max is +0")
         if world > 1:
             assert bool(torch.isnan(got["nan"]).all()), what
             assert got["error"] is not None and "top_p of row[4]" in got["error"], what
@@ -412,9 +476,9 @@ def test_the_forward_alone_gives_the_bits_of_the_masked_pass(case, monkeypatch):
     mask, which the gradient path runs. Wide rows (the top-k shortcut), padding, a NaN
     row, an ignored row, a dropped target, entropy, a (B, T, V) view."""
     shortcut = []
-    real = sampling._topk_candidates
+    real = blocks.top_k_candidates
     monkeypatch.setattr(
-        sampling, "_topk_candidates", lambda *a: shortcut.append(real(*a)) or shortcut[-1]
+        blocks, "top_k_candidates", lambda *a: shortcut.append(real(*a)) or shortcut[-1]
     )
     kw = FORWARD_CASES[case]
     clean, t = llm_like_logits(6, 1700, torch.bfloat16, seed=20 + case)
@@ -468,9 +532,9 @@ def test_edge_rows_of_the_top_k_shortcut(monkeypatch):
     scanned), a row of invalid temperature (validate=False: y is not monotonic in x) --
     each against the masked pass, and the wide kept set of a large k as a mask."""
     shortcut = []
-    real = sampling._topk_candidates
+    real = blocks.top_k_candidates
     monkeypatch.setattr(
-        sampling, "_topk_candidates", lambda *a: shortcut.append(real(*a)) or shortcut[-1]
+        blocks, "top_k_candidates", lambda *a: shortcut.append(real(*a)) or shortcut[-1]
     )
     x = torch.full((3, 1300), -100.0)
     x[:, 3] = -0.0  # the only max of each row
@@ -504,7 +568,7 @@ def test_the_sort_and_the_radix_rounds_find_the_same_thresholds(monkeypatch):
     x[1] = torch.randint(-3, 3, (1700,)).to(torch.bfloat16)  # ties everywhere
     cases = (dict(top_k=9, top_p=0.7), dict(top_p=0.95), dict(top_k=40, min_p=0.01))
     want = {i: sampling_mask(x, **kw).keep_mask for i, kw in enumerate(cases)}
-    monkeypatch.setattr(sampling, "SORT_MAX_ELEMENTS", 0)
+    monkeypatch.setattr(integers, "SORT_MAX_ELEMENTS", 0)
     for i, kw in enumerate(cases):
         assert torch.equal(want[i], brute_keep(x, **kw)), kw
         assert torch.equal(sampling_mask(x, **kw).keep_mask, want[i]), kw
@@ -515,8 +579,8 @@ def _shortcut_worker(rank, world, group, inputs):
     and whether this rank's blocks took the top-k shortcut."""
     x, t, spoil = inputs
     taken = []
-    real = sampling._topk_candidates
-    sampling._topk_candidates = lambda *a: taken.append(real(*a)) or taken[-1]
+    real = blocks.top_k_candidates
+    blocks.top_k_candidates = lambda *a: taken.append(real(*a)) or taken[-1]
     try:
         shard = x[:, 1300 * rank : 1300 * (rank + 1)].clone()
         if spoil and rank == 1:
@@ -524,7 +588,7 @@ def _shortcut_worker(rank, world, group, inputs):
         res = processed_logprobs(shard, t, top_k=5, top_p=0.9, tp_group=group,
                                  vocab_start=1300 * rank, validate=False)  # fmt: skip
     finally:
-        sampling._topk_candidates = real
+        blocks.top_k_candidates = real
     return res.logprobs, [c is not None for c in taken]
 
 

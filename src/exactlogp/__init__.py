@@ -2,6 +2,7 @@
 
 from .api import LogprobResult, SelectedLogprobs, selected_logprobs
 from .contract import CONTRACT
+from .cut.api import ProcessedLogprobs, SamplingMask, processed_logprobs, sample, sampling_mask
 from .linear import (
     LOGITS_CONTRACT,
     gather_sequence_parallel,
@@ -9,7 +10,6 @@ from .linear import (
     linear_selected_logprobs,
 )
 from .prepared import PreparedLMHead, prepare_lm_head
-from .sampling import ProcessedLogprobs, SamplingMask, processed_logprobs, sample, sampling_mask
 from .warmup import warmup
 
 __version__ = "0.1.0"

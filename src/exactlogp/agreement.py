@@ -37,18 +37,33 @@ from . import contract, distributed
 
 KIND_LOGITS = 1  # selected_logprobs
 KIND_LINEAR = 2  # linear_selected_logprobs
-KIND_SAMPLING = 3  # the cut of sampling_mask / processed_logprobs / sample
+KIND_PROCESSED = 3  # processed_logprobs (the exact cut)
+KIND_SAMPLE = 4  # sample (the exact cut)
+KIND_SAMPLING_MASK = 5  # sampling_mask (the exact cut)
 KIND_NAMES = {
     KIND_LOGITS: "selected_logprobs",
     KIND_LINEAR: "linear_selected_logprobs",
-    KIND_SAMPLING: "sampling_mask",
+    KIND_PROCESSED: "processed_logprobs",
+    KIND_SAMPLE: "sample",
+    KIND_SAMPLING_MASK: "sampling_mask",
+}
+NUM_KINDS = 8  # the one-hot slots of the kinds in the MAX (room for more functions)
+# functions that read nothing back on the host before their record's all_reduce(SUM):
+# a rank of another function that stops after a poisoned MAX still makes that SUM
+NO_SYNC_KINDS = (KIND_LOGITS, KIND_LINEAR)
+# what the two words of each row's hash that rides the MAX stand for, per function
+ROW_HASH_NAMES = {
+    KIND_LINEAR: "hidden states",
+    KIND_PROCESSED: "sampling parameters",
+    KIND_SAMPLE: "sampling parameters or uniforms",
+    KIND_SAMPLING_MASK: "sampling parameters",
 }
 PHASE_FORWARD, PHASE_BACKWARD = 0, 1
 # the inputs whose requires_grad is bit i of CallFields.grads, per function
 GRAD_INPUTS = {
     KIND_LOGITS: ("vocab_parallel_logits",),
     KIND_LINEAR: ("hidden", "weight", "bias"),
-    KIND_SAMPLING: ("vocab_parallel_logits",),
+    KIND_PROCESSED: ("vocab_parallel_logits",),
 }
 
 
@@ -120,7 +135,7 @@ def _show(name: str, value: int, kind: int = KIND_LOGITS) -> str:
             return "a per-row tensor"
         if name in ("top_p", "min_p") and value == 0:
             return "None"
-        return _fp32_text(value)
+        return fp32_text(value)
     if name == "top_k":
         return {0: "None", -2: "a per-row tensor"}.get(value, str(value))
     if name == "vocab_size" and value == -1:
@@ -147,7 +162,7 @@ _FIELD_TEXT = {
 }
 
 
-def _fp32_text(bits: int) -> str:
+def fp32_text(bits: int) -> str:
     """The shortest decimal that rounds to this fp32 value (0.7, not 0.699999988...)."""
     value = struct.unpack("<f", struct.pack("<i", bits))[0]
     for digits in range(1, 10):
@@ -333,7 +348,7 @@ def layout_problem(
 
 # --- 2. the values that ride the all_reduce(MAX) ---
 
-_ROW_FIELDS = 3  # target, temperature bits (high 16, low 16)
+_ROW_FIELDS = 5  # target, temperature bits (high 16, low 16), the row hash (two words)
 _KEY_CHUNKS = 3  # the 48-bit call key in 16-bit pieces
 _EXACT = float(1 << 24)  # integers up to 2^24 are exact in fp32
 _constants: dict[tuple, torch.Tensor] = {}
@@ -348,10 +363,11 @@ class RankCheck(NamedTuple):
     target_max: torch.Tensor  # (N,) fp32: the largest and smallest target of each row
     target_min: torch.Tensor
     differs: torch.Tensor  # (k, N) bool: which per-row value differs (ROW_FIELD_NAMES)
+    kinds: torch.Tensor  # (NUM_KINDS,) bool: the functions the ranks of the group run
 
 
-# what each per-row value is, for the messages (the extra rows: linear_selected_logprobs)
-ROW_FIELD_NAMES = ("target", "temperature", "temperature", "hidden states", "hidden states")
+# what each per-row value is, for the messages (the hash: ROW_HASH_NAMES of the function)
+ROW_FIELD_NAMES = ("target", "temperature", "temperature", "row hash", "row hash")
 
 # --- a strong hash of each row's bits, for the per-row values ---
 #
@@ -405,28 +421,39 @@ def row_hash(rows: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _row_values(target: torch.Tensor, temperature) -> torch.Tensor:
-    """(3, N) fp32, each value an integer exact in fp32 (`temperature`: a Temperature)."""
+def _row_values(target: torch.Tensor, temperature, row_hash) -> torch.Tensor:
+    """(5, N) fp32, each value an integer exact in fp32 (`temperature`: a Temperature;
+    `row_hash`: (2, N) int64 below 2^24, or None: zeros)."""
     t = target.clamp(-(1 << 24), 1 << 24).to(torch.float32)
     bits = temperature.row_bits(target.shape[0], target.device)
-    return torch.stack([t, (bits >> 16).to(torch.float32), (bits & 0xFFFF).to(torch.float32)])
+    if row_hash is None:
+        row_hash = torch.zeros(HASH_FIELDS, target.shape[0], device=target.device)
+    return torch.cat([
+        torch.stack([t, (bits >> 16).to(torch.float32), (bits & 0xFFFF).to(torch.float32)]),
+        row_hash.to(torch.float32),
+    ])  # fmt: skip
 
 
-def _call_values(key: int, group: distributed.Group, layout: Layout, device) -> torch.Tensor:
-    """(2 * 3 + 2 * size,) fp32: the key chunks and their negations, then this rank's start
-    and width at its own index among -1s. Built once per distinct call on each device, and
-    built on the device by fills, never copied from host memory: a first call inside CUDA
-    graph capture may build it."""
-    cache_key = (device, key, group.rank, group.size, layout.vocab_start, layout.num_cols)
+def _call_values(key: int, kind: int, group: distributed.Group, layout: Layout, device):
+    """(2 * 3 + NUM_KINDS + 2 * size,) fp32: the key chunks and their negations, a one
+    at the function's kind among zeros, then this rank's start and width at its own index
+    among -1s. Built once per distinct call on each device, and built on the device by
+    fills, never copied from host memory: a first call inside CUDA graph capture may
+    build it."""
+    cache_key = (device, key, kind, group.rank, group.size, layout.vocab_start, layout.num_cols)
     found = _constants.get(cache_key)
     if found is None:
         chunks = [float((key >> (16 * i)) & 0xFFFF) for i in range(_KEY_CHUNKS)]
-        found = torch.full((2 * _KEY_CHUNKS + 2 * group.size,), -1.0, device=device)
+        found = torch.full((2 * _KEY_CHUNKS + NUM_KINDS + 2 * group.size,), -1.0, device=device)
         for i, chunk in enumerate(chunks):
             found[i].fill_(chunk)
             found[_KEY_CHUNKS + i].fill_(-chunk)
-        found[2 * _KEY_CHUNKS + group.rank].fill_(float(layout.vocab_start))
-        found[2 * _KEY_CHUNKS + group.size + group.rank].fill_(float(layout.num_cols))
+        kinds = found[2 * _KEY_CHUNKS : 2 * _KEY_CHUNKS + NUM_KINDS]
+        kinds.fill_(0.0)
+        kinds[kind].fill_(1.0)
+        shards = found[2 * _KEY_CHUNKS + NUM_KINDS :]
+        shards[group.rank].fill_(float(layout.vocab_start))
+        shards[group.size + group.rank].fill_(float(layout.num_cols))
         if len(_constants) > 256:
             _constants.clear()
         _constants[cache_key] = found
@@ -450,19 +477,20 @@ def max_payload(
     target: torch.Tensor,  # (N,) int64
     temperature,  # Temperature of these rows
     key: int,
+    kind: int,  # the function (KIND_*)
     group: distributed.Group,
     layout: Layout,
-    row_fields: torch.Tensor | None = None,  # (k, N) more per-row integers below 2^24
+    row_hash: torch.Tensor | None = None,  # (2, N) int64 below 2^24: the function's extra
 ) -> torch.Tensor:
-    """The fp32 tensor the forward all_reduces with MAX: row maxima and agreement fields."""
-    rows = _row_values(target, temperature)
-    if row_fields is not None:
-        rows = torch.cat([rows, row_fields.to(torch.float32)])
+    """The fp32 tensor the forward all_reduces with MAX: row maxima and agreement fields.
+    Its layout is the same for every function (a function without per-row extras sends
+    zeros), so ranks that run different functions on the same rows meet in a MAX of one
+    size and learn of it from the key and the kinds."""
     return torch.cat(
         [
             row_max.to(torch.float32),
-            as_pairs(rows),
-            _call_values(key, group, layout, row_max.device),
+            as_pairs(_row_values(target, temperature, row_hash)),
+            _call_values(key, kind, group, layout, row_max.device),
         ]
     )
 
@@ -472,22 +500,21 @@ def read_max(
     num_rows: int,
     group: distributed.Group,
     vocab_size: int | None,
-    row_fields: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, RankCheck]:
     """(global row maxima, RankCheck) from the all_reduced payload; no host sync."""
-    n = num_rows
-    k = _ROW_FIELDS + (0 if row_fields is None else row_fields.shape[0])
+    n, k = num_rows, _ROW_FIELDS
     row_max = reduced[:n]
     hi, lo = from_pairs(reduced[n:], k, n)
     differs = hi != lo
     rows = differs.any(dim=0)
     rest = reduced[n + 2 * k * n :]
     key_hi, key_lo = from_pairs(rest, 1, _KEY_CHUNKS)
-    starts = rest[2 * _KEY_CHUNKS : 2 * _KEY_CHUNKS + group.size].to(torch.float64)
-    widths = rest[2 * _KEY_CHUNKS + group.size :].to(torch.float64)
+    kinds = rest[2 * _KEY_CHUNKS : 2 * _KEY_CHUNKS + NUM_KINDS] > 0
+    shards = rest[2 * _KEY_CHUNKS + NUM_KINDS :].to(torch.float64)
+    starts, widths = shards[: group.size], shards[group.size :]
     call = (key_hi != key_lo).any() | ~_tiles(starts, widths, vocab_size)
     poison = (rows.any() | call).expand(n)
-    return row_max, RankCheck(poison, rows, call, hi[0], lo[0], differs)
+    return row_max, RankCheck(poison, rows, call, hi[0], lo[0], differs, kinds)
 
 
 def _tiles(starts: torch.Tensor, widths: torch.Tensor, vocab_size: int | None) -> torch.Tensor:
@@ -503,3 +530,19 @@ def _tiles(starts: torch.Tensor, widths: torch.Tensor, vocab_size: int | None) -
     both &= ~torch.eye(starts.shape[0], dtype=torch.bool, device=starts.device)
     overlap = (both & (a_s < b_e) & (b_s < a_e)).any()
     return (width.sum() == vocab_end) & ~overlap & (starts >= 0).all()
+
+
+# --- 3. naming what differs (validate=True, after the MAX found a row that differs) ---
+
+
+def gather_row(group: distributed.Group, words: torch.Tensor) -> list[list[int]]:
+    """Every rank's (K,) integer values of one row, in rank order: an all_gather that
+    every rank makes together (the MAX told each of them the same row differs)."""
+    vec = words.to(torch.int64).reshape(-1)
+    return distributed.all_gather_int64(vec, group).cpu().tolist()
+
+
+def rank_values_text(group: distributed.Group, values: list) -> str:
+    """'rank 0: 0.9, rank 1: 0.25' for per-rank values already as text or numbers."""
+    names = _rank_names(group)
+    return ", ".join(f"{names[r]}: {v}" for r, v in enumerate(values))

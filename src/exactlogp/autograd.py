@@ -6,6 +6,10 @@ logits shard --backend.partials(M)--> (N, 8) int64 --all_reduce(SUM)--> record
 record --backend.finalize (= contract.finalize)--> logprobs, entropy, lse + row stats
 without a TP group: backend.forward_unsharded does all of the above (a backend may fuse it)
 backward: backend.grad(logits, stats) -- elementwise, no collective
+
+The collective stages (global_max, combine, finish) are defined here once; the fused LM
+head runs forward_pipeline per block of rows, the exact cut (cut/) its own local passes
+between them.
 """
 
 from __future__ import annotations
@@ -33,41 +37,73 @@ def forward_pipeline(
     temperature: Temperature,  # of these rows: call.temperature, or a block's (take)
     keep_mask: torch.Tensor | None,  # (N, V_local) bool
     call: Call,
-    row_fields: torch.Tensor | None = None,  # (k, N) more per-row values the ranks share
+    row_hash: torch.Tensor | None = None,  # (2, N) more per-row values the ranks share
     local_max: torch.Tensor | None = None,  # (N,) fp32 backend.row_max of logits, if known
 ) -> Forward:
-    plan, backend, group = call.plan, call.backend, call.group
-    n = target.shape[0]
-    ranks = None
-    if not group.distributed and local_max is not None:  # no max pass: only the record
-        record = backend.partials(logits, target, temperature, keep_mask, local_max, plan)
-        row_max, record, fin = backend.finish_unsharded(local_max, record, target, temperature,
-                                                        plan)  # fmt: skip
-    elif not group.distributed:  # the whole vocabulary is here: nothing crosses ranks
-        row_max, record, fin = backend.forward_unsharded(
-            logits, target, temperature, keep_mask, plan
-        )
-    else:
-        # --- 1-2. exact global max; the agreement fields ride along ---
+    plan, backend = call.plan, call.backend
+    if not call.group.distributed:  # the whole vocabulary is here: nothing crosses ranks
         if local_max is None:
-            local_max = backend.row_max(logits, temperature, keep_mask, plan)
-        row_max = local_max
-        payload = agreement.max_payload(
-            row_max, target, temperature, call.call_key, group, call.layout, row_fields
-        )
-        distributed.all_reduce_max_(payload, group)
-        row_max, ranks = agreement.read_max(payload, n, group, plan.vocab_size, row_fields)
-        # --- 3-5. exact local record ---
-        record = backend.partials(logits, target, temperature, keep_mask, row_max, plan)
-        # --- 6. combine across ranks ---
-        if n:
-            distributed.all_reduce_sum_(record, group)
-        # --- 7. finish ---
-        fin = backend.finalize(
-            row_max, record, target, plan.vocab_size, plan.ignore_index,
-            temperature.bad(), ranks.poison,
-        )  # fmt: skip
+            row_max, record, fin = backend.forward_unsharded(
+                logits, target, temperature, keep_mask, plan
+            )
+        else:  # no max pass: only the record
+            record = backend.partials(logits, target, temperature, keep_mask, local_max, plan)
+            row_max, record, fin = backend.finish_unsharded(local_max, record, target,
+                                                            temperature, plan)  # fmt: skip
+        return Forward(row_max, fin, record, None)
+    if local_max is None:
+        local_max = backend.row_max(logits, temperature, keep_mask, plan)
+    row_max, ranks = global_max(local_max, target, temperature, call, row_hash)
+    record = backend.partials(logits, target, temperature, keep_mask, row_max, plan)
+    return finish(row_max, combine(record, call), target, temperature, call, ranks)
+
+
+# --- the stages every function shares: the core op, the fused head, the exact cut ---
+
+
+def global_max(local_max, target, temperature: Temperature, call: Call, row_hash=None):
+    """Stages 1-2 across the ranks: (the exact global row max (N,) fp32, RankCheck) from
+    this rank's maxima, with the agreement values riding the one all_reduce(MAX) (the
+    rows' targets and temperatures, `row_hash` (2, N): the function's own per-row values,
+    the call's key and kind, the shards); (local_max, None) without a TP group."""
+    group = call.group
+    if not group.distributed:
+        return local_max, None
+    payload = agreement.max_payload(
+        local_max, target, temperature, call.call_key, call.fields.kind, group, call.layout,
+        row_hash,
+    )  # fmt: skip
+    distributed.all_reduce_max_(payload, group)
+    return agreement.read_max(payload, target.shape[0], group, call.plan.vocab_size)
+
+
+def combine(record: torch.Tensor, call: Call) -> torch.Tensor:
+    """Stage 6: the (N, NUM_COLS) int64 record summed over the ranks, in place."""
+    if call.group.distributed and record.shape[0]:
+        distributed.all_reduce_sum_(record, call.group)
+    return record
+
+
+def finish(row_max, record, target, temperature: Temperature, call: Call, ranks) -> Forward:
+    """Stage 7: the combined record finalized (rows poisoned where the ranks disagree)."""
+    fin = call.backend.finalize(
+        row_max, record, target, call.plan.vocab_size, call.plan.ignore_index,
+        temperature.bad(), None if ranks is None else ranks.poison,
+    )  # fmt: skip
     return Forward(row_max, fin, record, ranks)
+
+
+def stop_disagreeing(call: Call, ranks: agreement.RankCheck, num_rows: int) -> None:
+    """For a function that reads the MAX back on the host (the exact cut) and found the
+    ranks disagree, so that no rank waits: with validate=True every rank raises (the
+    caller's message); with validate=False, where some rank runs a function that does not
+    read it back (NO_SYNC_KINDS: it goes on to its record's all_reduce(SUM) and returns
+    NaN), this rank makes that SUM too, of zeros, and then returns NaN itself."""
+    others = ranks.kinds.nonzero().flatten().tolist()  # a host sync, as the caller's
+    if num_rows and any(kind in agreement.NO_SYNC_KINDS for kind in others):
+        zeros = torch.zeros(num_rows, contract.NUM_COLS, dtype=torch.int64,
+                            device=ranks.poison.device)  # fmt: skip
+        distributed.all_reduce_sum_(zeros, call.group)
 
 
 def validate_rows(forward: Forward, target, call: Call) -> None:

@@ -9,8 +9,8 @@
       -> autograd -> backends    take the call (or the parts of it a pass needs: the
                                  ShardPlan, the Temperature) instead of parameter lists
 
-A function with options of its own extends the call (`replace(call, linear=...)`) rather
-than carrying them beside it.
+A function with options of its own extends the call (`replace(call, linear=...)`,
+`replace(call, cut=...)`) rather than carrying them beside it.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import torch
 
 from . import agreement, contract, distributed, validation
 from .backends import Backend, ShardPlan, get_backend
+from .cut.options import CutOptions
 from .temperature import Temperature
 
 
@@ -48,6 +49,7 @@ class Call:
     fields: agreement.CallFields  # what every rank must pass alike
     call_key: int  # fields.key() with a TP group (it rides the MAX), else 0
     linear: LinearOptions | None = None  # linear_selected_logprobs
+    cut: CutOptions | None = None  # processed_logprobs, sample, sampling_mask
     logits_name: str = "vocab_parallel_logits"  # what the messages call the logits
 
     @property
@@ -78,14 +80,16 @@ def make_call(
     extra_fields: dict | None = None,
     source_name: str = "vocab_parallel_logits",
     logits_name: str = "vocab_parallel_logits",
+    greedy: bool = False,
 ) -> Call:
     """This rank's checks of the options every call shares, in the order a user fixes them.
     `source` is the logits (or the hidden states) whose shape without its last dimension is
     the rows'; `num_cols` this rank's vocabulary columns; `backend` a name or a Backend;
     `grads` which inputs require a gradient (agreement.grads_field); `source_name` and
-    `logits_name` what the messages call the source and the logits."""
+    `logits_name` what the messages call the source and the logits; `greedy`: a
+    temperature of 0 is a greedy row (the exact cut's convention)."""
     validation.check_target(target, source, source_name)
-    tau = validation.check_temperature(temperature, target)
+    tau = validation.check_temperature(temperature, target, greedy)
     with_entropy = validation.check_bool("with_entropy", with_entropy)
     validate = validation.check_bool("validate", validate)
     ignore_index = validation.check_int("ignore_index", ignore_index)

@@ -586,7 +586,7 @@ def _combine(parts: list[Forward], n: int, device) -> Forward:
         ranks = agreement.RankCheck(
             poison, cat(r.rows for r in rs), torch.stack([r.call for r in rs]).any(),
             cat(r.target_max for r in rs), cat(r.target_min for r in rs),
-            torch.cat([r.differs for r in rs], dim=1),
+            torch.cat([r.differs for r in rs], dim=1), torch.stack([r.kinds for r in rs]).any(0),
         )  # fmt: skip
         nan = torch.full((), float("nan"), device=device)
         fin = fin._replace(

@@ -3,8 +3,10 @@
 y = fp32(x) / tau with tau rounded to fp32 (contract.scaled_logits). The public API takes
 a float or a tensor; it becomes a `Temperature` once, at the API's boundary
 (validation.check_temperature), and every layer below -- the call object, autograd, the
-agreement, the backends -- asks it for what it needs instead of testing which form it has.
-`contract.py` keeps its `float | Tensor` signatures: `Temperature.value` is that form.
+agreement, the backends, the exact cut -- asks it for what it needs instead of testing
+which form it has. `contract.py` keeps its `float | Tensor` signatures: `Temperature.value`
+is that form. The exact cut reads a temperature of exactly 0 as a greedy row (argmax, no
+cut, y at temperature 1): its tau is 1 here and `greedy` marks the row.
 """
 
 from __future__ import annotations
@@ -20,10 +22,12 @@ from .contract import fp32_bits, fp32_temperature, grad_temperature
 class Temperature:
     """`scalar`: tau rounded to fp32, for every row (1.0 where `rows` is given);
     `rows`: None, or (N,) fp32 contiguous, one tau per row (not checked here: a bad
-    per-row value flags its row, contract.BAD_TEMPERATURE)."""
+    per-row value flags its row, contract.BAD_TEMPERATURE); `greedy`: None, or (N,) bool,
+    the exact cut's temperature-0 rows (their tau is 1 in `scalar` / `rows`)."""
 
     scalar: float = 1.0
     rows: torch.Tensor | None = None
+    greedy: torch.Tensor | None = None
 
     @classmethod
     def of(cls, value: float | torch.Tensor | Temperature) -> Temperature:
@@ -52,15 +56,27 @@ class Temperature:
 
     def take(self, rows: slice) -> Temperature:
         """The temperature of rows [start, stop)."""
-        return self if self.rows is None else Temperature(1.0, self.rows[rows])
+        if self.rows is None and self.greedy is None:
+            return self
+        greedy = None if self.greedy is None else self.greedy[rows]
+        return Temperature(self.scalar, None if self.rows is None else self.rows[rows], greedy)
+
+    def of_rows(self, index: torch.Tensor) -> torch.Tensor:
+        """(len(index),) fp32: the tau of each row of `index` (int64 rows of the call)."""
+        if self.rows is not None:
+            return self.rows[index]
+        return torch.full(index.shape, self.scalar, dtype=torch.float32, device=index.device)
 
     def column(self) -> float | torch.Tensor:
         """What divides a block of rows (n, V): the float, or (n, 1) fp32."""
         return self.scalar if self.rows is None else self.rows.unsqueeze(-1)
 
     def field(self) -> int:
-        """The agreement's call field: the scalar's fp32 bits, -1 for one per row."""
-        return -1 if self.rows is not None else fp32_bits(self.scalar)
+        """The agreement's call field: the scalar's fp32 bits (0 for a scalar 0, greedy),
+        -1 for one per row."""
+        if self.rows is not None:
+            return -1
+        return 0 if self.greedy is not None else fp32_bits(self.scalar)
 
     def row_bits(self, num_rows: int, device: torch.device) -> torch.Tensor:
         """(N,) int32: every row's fp32 bits, for the per-row agreement."""
@@ -88,7 +104,11 @@ class Temperature:
         return Temperature(1.0, grad_temperature(stats, self.rows).contiguous())
 
     def to(self, device: torch.device) -> Temperature:
-        return self if self.rows is None else Temperature(1.0, self.rows.to(device))
+        if self.rows is None and self.greedy is None:
+            return self
+        rows = None if self.rows is None else self.rows.to(device)
+        greedy = None if self.greedy is None else self.greedy.to(device)
+        return Temperature(self.scalar, rows, greedy)
 
 
 ONE = Temperature()

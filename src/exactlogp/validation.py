@@ -15,7 +15,7 @@ import numbers
 import torch
 
 from . import contract, linear_contract
-from .agreement import ROW_FIELD_NAMES
+from .agreement import ROW_FIELD_NAMES, ROW_HASH_NAMES, gather_row, rank_values_text
 from .temperature import Temperature
 
 LOGIT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -82,9 +82,12 @@ def check_keep_mask(keep_mask, logits: torch.Tensor) -> None:
     _same_device("keep_mask", keep_mask, logits)
 
 
-def check_temperature(temperature, target: torch.Tensor) -> Temperature:
+def check_temperature(temperature, target: torch.Tensor, greedy: bool = False) -> Temperature:
     """The public API's float or tensor as a Temperature: a valid float rounded to fp32, or
-    the tensor flattened to fp32 (N,) (its values are checked per row, in finalize)."""
+    the tensor flattened to fp32 (N,) (its values are checked per row, in finalize).
+    greedy=True (the exact cut): a temperature of exactly 0 as given -- the scalar, or a
+    row's value before its rounding to fp32 -- is a greedy row (Temperature.greedy, tau 1);
+    a value that only rounds to 0 in fp32 (1e-50) stays 0, a bad temperature."""
     if isinstance(temperature, torch.Tensor):
         if not temperature.is_floating_point():
             raise TypeError(f"temperature tensor must be floating point, got {temperature.dtype}")
@@ -100,15 +103,24 @@ def check_temperature(temperature, target: torch.Tensor) -> Temperature:
                 "differentiate with respect to the temperature (the gradient would be "
                 "silently missing); pass temperature.detach()"
             )
-        return Temperature.of(temperature.expand(target.shape))
+        tau = Temperature.of(temperature.expand(target.shape))
+        if not greedy:
+            return tau
+        zero = temperature.detach().expand(target.shape).reshape(-1) == 0
+        return Temperature(1.0, torch.where(zero, 1.0, tau.rows).contiguous(), zero)
     if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
         raise TypeError(
             f"temperature must be a float or a tensor, got {type(temperature).__name__}"
         )
+    if greedy and temperature == 0:
+        return Temperature(1.0, None, torch.ones(target.shape, dtype=torch.bool,
+                                                 device=target.device).reshape(-1))  # fmt: skip
     tau = contract.fp32_temperature(temperature)
     if not (math.isfinite(tau) and tau > 0.0):
+        zero = " (0: a greedy row)" if greedy else ""
         raise ValueError(
-            f"temperature must be finite and > 0 in float32, got {temperature!r} (float32: {tau!r})"
+            f"temperature must be finite and > 0 in float32{zero}, got {temperature!r} "
+            f"(float32: {tau!r})"
         )
     return Temperature(tau)
 
@@ -251,7 +263,7 @@ def _same_device(name: str, tensor: torch.Tensor, other: torch.Tensor) -> None:
 # --- data checks on the combined record (one host sync) ---
 
 _MESSAGES = (  # flag, message; the first flag set on the first bad row is reported
-    (contract.BAD_TEMPERATURE, "temperature{idx} = {tau} must be finite and > 0"),
+    (contract.BAD_TEMPERATURE, "temperature{idx} = {tau} must be finite and > 0 in float32"),
     (
         contract.BAD_TARGET_RANGE,
         "target{idx} = {t} is outside [0, vocab_size={vocab}) and is not ignore_index={ignore}",
@@ -293,24 +305,36 @@ def _owner_message(idx: str, t: int, owners: int, call) -> str:
     )
 
 
-def _ranks_message(check, shape: tuple[int, ...]) -> str:
+def ranks_message(check, call, row_words=None) -> str:
     """A disagreement found in the all_reduce(MAX) (`check`: agreement.RankCheck): the
-    first row that differs, if any."""
+    first row that differs, if any. Where it is the function's own per-row values (their
+    hash rode the MAX) and `row_words` = (names, row -> this rank's (K,) words, words ->
+    {name: text}) is given, every rank gathers that row's values to name the one that
+    differs and each rank's value (a collective: every rank of the call comes here)."""
+    shape = call.target_shape
     rows = torch.nonzero(check.rows).flatten()
-    if len(rows):
-        r = int(rows[0])
+    if not len(rows):
+        return "the ranks of tp_group disagree on the call (its options or the vocab shards)"
+    r = int(rows[0])
+    field = ROW_FIELD_NAMES[int(torch.nonzero(check.differs[:, r])[0])]
+    idx = _index(r, shape)
+    if field == "target":
         hi, lo = int(check.target_max[r]), int(check.target_min[r])
-        field = ROW_FIELD_NAMES[int(torch.nonzero(check.differs[:, r])[0])]
-        what = (
-            f"target{_index(r, shape)} is {hi} on some ranks and {lo} on others"
-            if field == "target"
-            else f"the {field} of row{_index(r, shape)}"
-        )
-        return (
-            f"the ranks of tp_group disagree on {what}: every rank must pass the same rows, "
-            "targets and temperatures (are the ranks on different micro-batches?)"
-        )
-    return "the ranks of tp_group disagree on the call (its options or the vocab shards)"
+        what = f"target{idx} is {hi} on some ranks and {lo} on others"
+    elif field == "temperature":
+        what = f"the temperature of row{idx}"
+    elif row_words is None:
+        what = f"the {ROW_HASH_NAMES.get(call.fields.kind, 'per-row values')} of row{idx}"
+    else:
+        names, words_of, text_of = row_words
+        table = [text_of(w) for w in gather_row(call.group, words_of(r))]
+        name = next((n for n in names if len({t[n] for t in table}) > 1), names[0])
+        values = rank_values_text(call.group, [t[name] for t in table])
+        what = f"the {name} of row{idx} ({values})"
+    must = "rows, targets and temperatures (are the ranks on different micro-batches?)"
+    if call.cut is not None:
+        must = "rows, targets, temperatures and sampling parameters"
+    return f"the ranks of tp_group disagree on {what}: every rank must pass the same {must}"
 
 
 def raise_for_bad_rows(
@@ -326,7 +350,7 @@ def raise_for_bad_rows(
     row = int(rows[0])
     flags = int(bad[row])
     if flags & contract.BAD_RANKS:  # poisons every row: nothing else of the call holds
-        raise ValueError(_ranks_message(ranks, call.target_shape))
+        raise ValueError(ranks_message(ranks, call))
     idx = _index(row, call.target_shape)
     t, owners = int(target[row]), int(record[row, contract.COL_OWNERS])
     vocab_size = call.plan.vocab_size
@@ -347,3 +371,31 @@ def raise_for_bad_rows(
     if more:
         text += f" ({more} more bad row{'s' if more > 1 else ''})"
     raise ValueError(text + "; pass validate=False to get NaN in such rows instead")
+
+
+_CUT_MESSAGES = (  # sample / sampling_mask: the rows they cannot serve (cut/driver.Cut.bad)
+    (contract.BAD_TEMPERATURE, "temperature{idx} = {tau} must be finite and > 0 in float32 "
+                               "(exactly 0: a greedy row)"),
+    (contract.BAD_NONFINITE, "{logits} row{idx} has NaN or +inf values (after the temperature) "
+                             "in real columns"),
+    (contract.BAD_NO_VALID_COLUMN, "{logits} row{idx} has no valid column: every real column "
+                                   "is -inf"),
+)  # fmt: skip
+
+
+def raise_for_bad_cut_rows(bad: torch.Tensor, call) -> None:
+    """The first row sample or sampling_mask cannot draw from or cut (`bad`: (N,) int64
+    contract.BAD_* flags, alike on every rank), as a ValueError on every rank."""
+    rows = torch.nonzero(bad).flatten()
+    row = int(rows[0])
+    flags = int(bad[row])
+    idx = _index(row, call.target_shape)
+    text = next(
+        msg.format(idx=idx, tau=call.temperature.at(row), logits=call.logits_name)
+        for flag, msg in _CUT_MESSAGES
+        if flags & flag
+    )
+    more = len(rows) - 1
+    if more:
+        text += f" ({more} more bad row{'s' if more > 1 else ''})"
+    raise ValueError(text + "; pass validate=False to get -1 (sample) or an empty keep mask")

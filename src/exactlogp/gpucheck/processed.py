@@ -8,7 +8,7 @@ sort-based top-p sampler (CUDA events, interleaved). The cut's definition is
 docs/numerics.md section 13.
 
 The cut's one full read of the logits, Backend.chunk_max (the maxima of y over chunks of
-sampling.CHUNK columns), has a Triton kernel: its bits against the torch default
+cut.candidates.CHUNK columns), has a Triton kernel: its bits against the torch default
 (base.Backend.chunk_max) on the same device at 1024 x 151936 bf16, with NaN, +inf, -inf
 and -0 columns, a scalar and a per-row temperature and a padded shard; and its time beside
 the max pass, which reads the same bytes.
@@ -22,8 +22,8 @@ import exactlogp
 
 from ..backends import ShardPlan, get_backend
 from ..backends.base import Backend
+from ..cut.candidates import CHUNK
 from ..report import measure
-from ..sampling import CHUNK
 from ..temperature import Temperature
 from ..testing import compare_bits, llm_like_logits
 from .speed import clock

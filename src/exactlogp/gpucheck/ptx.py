@@ -50,7 +50,7 @@ from triton.compiler import ASTSource
 from .. import contract
 from ..backends import ShardPlan
 from ..backends.triton import kernels, launch, linear_kernels, prepare, value_tables
-from ..sampling import CHUNK
+from ..cut.candidates import CHUNK
 from ..temperature import Temperature
 
 INTERPRETED = "run without TRITON_INTERPRET=1: the check compiles the kernels"
@@ -87,7 +87,7 @@ def variants(quick: bool) -> list[Variant]:
         # gradients, the gather and the target column
         Variant("tables", bf16, ("tau", "keep", "entropy")),
         Variant("tables_grad", bf16, ("tau", "keep", "entropy")),
-        Variant("chunk_max", bf16, ("tau",)),  # the exact cut's chunk maxima (sampling.CHUNK)
+        Variant("chunk_max", bf16, ("tau",)),  # the exact cut's chunk maxima (cut.candidates.CHUNK)
         Variant("exact_dot", None),
         Variant("head", bf16),
         Variant("class_max", None),  # the fused head's predicted grid (linear._GridBound)

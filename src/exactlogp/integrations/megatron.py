@@ -28,8 +28,8 @@ from typing import NamedTuple
 
 import torch
 
-from .. import sampling
 from ..api import selected_logprobs
+from ..cut import api as cut
 from . import _patching, _rows
 
 logger = logging.getLogger(__name__)
@@ -113,7 +113,7 @@ def processed_logprobs(
     never a NaN or -inf in the loss: its logprob is 0 with a zero gradient, it is
     masked out of `loss_mask`, and the count is returned and logged (a host sync)."""
     group, vocab_start = resolve_tp_group(tp_group, vocab_parallel_logits)
-    res = sampling.processed_logprobs(
+    res = cut.processed_logprobs(
         vocab_parallel_logits, target, temperature=temperature, top_k=top_k, top_p=top_p,
         min_p=min_p, tp_group=group, vocab_start=vocab_start, vocab_size=vocab_size,
         ignore_index=ignore_index,

@@ -257,7 +257,7 @@ def _exact_cut_forward(original):
             return default(self, logits_output, sampling_info, return_logprob,
                            top_logprobs_nums, token_ids_logprobs, positions, **extra)  # fmt: skip
         _refuse_for_exact_cut(sampling_info, return_logprob, logprob_logits)
-        from ..sampling import sample
+        from ..cut.api import sample
 
         logits = self._preprocess_logits(logits, sampling_info)
         params = exact_cut_params(
@@ -278,7 +278,7 @@ def _exact_cut_forward(original):
 
 def _write_logprobs(logits_output, logits, token_ids, params, top_logprobs_nums,
                     token_ids_logprobs) -> None:  # fmt: skip
-    from ..sampling import processed_logprobs
+    from ..cut.api import processed_logprobs
 
     lists = any(k > 0 for k in top_logprobs_nums) or any(
         ids is not None for ids in token_ids_logprobs

@@ -48,7 +48,8 @@ from contextlib import nullcontext
 
 import torch
 
-from .. import sampling
+from ..cut.api import processed_logprobs
+from ..cut.options import scalar_cut
 from ..linear import linear_logits, linear_selected_logprobs
 from ..validation import LOGIT_DTYPES
 from . import _patching, _rows
@@ -162,7 +163,7 @@ def processed_selective_log_softmax(
             )
         keep = row_mask.to(device=index.device) != 0
     ids = torch.where(keep, index.to(torch.int64), torch.full_like(index, -100, dtype=torch.int64))
-    res = sampling.processed_logprobs(
+    res = processed_logprobs(
         logits, ids, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p
     )
     kept = ~res.dropped
@@ -351,7 +352,7 @@ def processed_head_logprobs(
 
         def block(h, t):
             z = linear_logits(h, head.weight, head.bias, logit_scale=logit_scale)
-            res = sampling.processed_logprobs(
+            res = processed_logprobs(
                 z, t, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                 with_entropy=with_entropy,
             )  # fmt: skip
@@ -498,7 +499,7 @@ def _processed_forward(replay, hidden, head, labels, mask, temperature, logit_sc
     with context:
         log_probs, entropy, dropped = processed_head_logprobs(
             hidden.reshape(-1, hidden.shape[-1]), head.weight, head.bias, labels.reshape(-1),
-            temperature, top_k=replay.top_k, top_p=replay.top_p, min_p=replay.min_p,
+            temperature, **replay.cut,
             logit_scale=logit_scale, with_entropy="entropy" in outputs,
         )  # fmt: skip
     replay.dropped.append(dropped.view(mask.shape) & mask)
@@ -642,13 +643,10 @@ class _Replay:
     """The cut a scoring call replays, and the dropped targets of its fused forwards."""
 
     def __init__(self, top_k, top_p, min_p):
-        self.top_k = sampling.check_top_k(top_k, _SCALAR)
-        self.top_p = sampling.check_top_p(top_p, _SCALAR)
-        self.min_p = sampling.check_min_p(min_p, _SCALAR)
+        self.cut = scalar_cut(top_k, top_p, min_p)
         self.dropped: list[torch.Tensor] = []  # per fused forward: labels' shape, bool
 
 
-_SCALAR = torch.zeros((), dtype=torch.int64)
 # Set while GRPOTrainer scores tokens under patch_trl(processed=True): the fused head reads it.
 _REPLAY: contextvars.ContextVar = contextvars.ContextVar("exactlogp_trl_replay", default=None)
 _PENDING = "_exactlogp_dropped"  # trainer attribute: the dropped masks of the scoring calls

@@ -48,8 +48,9 @@ from contextlib import nullcontext
 
 import torch
 
-from .. import sampling
 from ..api import LogprobResult, selected_logprobs
+from ..cut.api import processed_logprobs
+from ..cut.options import scalar_cut
 from ..linear import linear_selected_logprobs
 from . import _patching, _rows
 from .megatron import ProcessedReplay, resolve_tp_group
@@ -195,7 +196,7 @@ def processed_logprobs_from_logits(
     conventions: `top_k` -1 or 0 and `top_p` 1.0 are no cut. A label outside the kept set
     gets logprob 0 with a zero gradient and False in `loss_mask`; the count is logged."""
     _rows.check_tensor("logits", logits)
-    res = sampling.processed_logprobs(logits, labels, top_k=top_k, top_p=top_p, min_p=min_p)
+    res = processed_logprobs(logits, labels, top_k=top_k, top_p=top_p, min_p=min_p)
     kept = ~res.dropped
     logprobs = torch.where(kept, res.logprobs, torch.zeros_like(res.logprobs))
     _count_dropped(int(res.num_dropped), labels.numel())
@@ -397,13 +398,7 @@ def patch_verl(
     """
     vocab_size = _rows.check_vocab_size(vocab_size)
     megatron = _megatron_functions(vocab_size)
-    scalar = torch.zeros((), dtype=torch.int64)
-    cut = {
-        "top_k": sampling.check_top_k(top_k, scalar),
-        "top_p": sampling.check_top_p(top_p, scalar),
-        "min_p": sampling.check_min_p(min_p, scalar),
-    }
-    cut = {name: value for name, value in cut.items() if value is not None}
+    cut = scalar_cut(top_k, top_p, min_p)
     full = {"logprobs_from_logits": logprobs_from_logits,
             "logprobs_from_logits_v2": logprobs_from_logits_v2}  # fmt: skip
     fused, fused_ce = FusedLinearForPPO, linear_cross_entropy

@@ -374,7 +374,7 @@ def _exact_sample(original):
 def _exact_rows(states, x, sampled, processed, requests, pos):
     """Overwrite the cut rows of vLLM's (sampled, processed logits) with exactlogp's."""
     from .. import contract
-    from ..sampling import sample, sampling_mask
+    from ..cut.api import sample, sampling_mask
     from ._vllm_uniforms import row_uniforms
 
     t, k, p, m, cut = _cut_rows(states, requests.to(torch.int64))
