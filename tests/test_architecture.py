@@ -7,6 +7,9 @@ import ast
 import re
 from pathlib import Path
 
+import pytest
+import tomllib
+
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "src" / "exactlogp"
 DOC = (ROOT / "docs" / "architecture.md").read_text()
@@ -78,8 +81,11 @@ def test_no_import_points_to_a_higher_layer():
     assert not upward, "\n".join(upward)
 
 
-def test_no_import_loop_at_module_level():
-    graph = {name: _imports(name, module_level_only=True) for name in MODULES}
+@pytest.mark.parametrize("module_level_only", [True, False], ids=["module level", "any level"])
+def test_no_import_loop(module_level_only):
+    """No loop among the package's imports: at module level (an import would fail), and
+    counting the imports inside functions too (two modules that reach for each other)."""
+    graph = {name: _imports(name, module_level_only=module_level_only) for name in MODULES}
     # a package imports its own submodules when it is imported: that edge is no loop
     graph = {n: {t for t in ts if not n.startswith(t + ".")} for n, ts in graph.items()}
     state: dict[str, int] = {}
@@ -100,3 +106,23 @@ def test_no_import_loop_at_module_level():
         if name not in state:
             loop = visit(name, [])
             assert loop is None, " -> ".join(loop)
+
+
+def test_every_host_is_one_row_of_the_table_with_its_adapter():
+    """The hosts table (`_exactlogp_autopatch/hosts.py`) is what EXACTLOGP_PATCH, the
+    start-up hook and the plugins read: each row's adapter module has patch_from_env, and
+    a host without a start-up trigger has a plugin entry point that reaches it."""
+    from _exactlogp_autopatch import hosts
+    from exactlogp.integrations import autopatch
+
+    entry_points = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"]
+    plugins = {ep for group in entry_points.values() for ep in group.values()}
+    for host in hosts.TABLE:
+        assert f"exactlogp.integrations.{host.adapter}" in MODULES, host
+        tree = ast.parse(MODULES[f"exactlogp.integrations.{host.adapter}"].read_text())
+        defined = {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
+        assert "patch_from_env" in defined, host
+        if host.trigger is None:
+            entry = f"exactlogp.integrations.autopatch:{host.name}_plugin"
+            assert entry in plugins and callable(getattr(autopatch, f"{host.name}_plugin")), host
+    assert autopatch.HOSTS == hosts.HOSTS == tuple(h.name for h in hosts.TABLE)

@@ -21,7 +21,7 @@ import torch
 
 import exactlogp
 from exactlogp import selected_logprobs
-from exactlogp.integrations import sglang
+from exactlogp.integrations import autopatch, sglang
 from exactlogp.integrations.verl import processed_logprobs_from_logits
 from exactlogp.testing import assert_bitwise_equal, llm_like_logits
 from integration_stubs import STUB_ROOT, drop_stub_modules, use_stub_package
@@ -368,13 +368,13 @@ def test_cut_argument_and_environment(host, monkeypatch):
     monkeypatch.setenv("EXACTLOGP_PATCH", "sglang")
     monkeypatch.setenv("EXACTLOGP_SGLANG_CUT", "exactly")
     with pytest.raises(ValueError, match="EXACTLOGP_SGLANG_CUT='exactly'"):
-        sglang.sglang_plugin()
+        autopatch.sglang_plugin()
     monkeypatch.setenv("EXACTLOGP_SGLANG_CUT", " exact ")
-    sglang.sglang_plugin()
+    autopatch.sglang_plugin()
     assert exactlogp.integrations._patching.active("patch_sglang").options == {"cut": "exact"}
     sglang.unpatch_sglang()
     monkeypatch.setenv("EXACTLOGP_SGLANG_CUT", "")
-    sglang.sglang_plugin()
+    autopatch.sglang_plugin()
     assert exactlogp.integrations._patching.active("patch_sglang").options == {}
 
 

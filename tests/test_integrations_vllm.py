@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from exactlogp import selected_logprobs
-from exactlogp.integrations import vllm
+from exactlogp.integrations import autopatch, vllm
 from exactlogp.integrations.megatron import megatron_padded_vocab_size
 from exactlogp.testing import assert_bitwise_equal, llm_like_logits, run_gloo_world, simulate_shards
 from integration_stubs import install_vllm_sampler
@@ -314,6 +314,6 @@ def test_plugin_without_the_variable_does_nothing_and_imports_nothing(monkeypatc
 
     monkeypatch.delenv("EXACTLOGP_PATCH", raising=False)
     monkeypatch.setitem(sys.modules, "vllm", None)  # importing vLLM would raise
-    assert vllm.vllm_plugin() is None
+    assert autopatch.vllm_plugin() is None
     monkeypatch.setenv("EXACTLOGP_PATCH", "trl")
-    assert vllm.vllm_plugin() is None
+    assert autopatch.vllm_plugin() is None

@@ -21,28 +21,20 @@ import sys
 import threading
 import warnings
 
-ENV = "EXACTLOGP_PATCH"
-VOCAB_ENV = "EXACTLOGP_VOCAB_SIZE"
-MAX_VOCAB = 1 << 20
-HOSTS = ("trl", "verl", "megatron", "vllm", "sglang")  # = exactlogp.integrations.autopatch
-# the module whose import triggers each host's patch; vLLM and SGLang have plugins
-TRIGGERS = {"trl": "trl", "verl": "verl", "megatron": "megatron.core"}
+from . import hosts
+
+ENV = hosts.ENV
 
 
 def requested() -> tuple[str, ...] | None:
     """The hosts EXACTLOGP_PATCH names, or None (with a warning) when its value or
-    EXACTLOGP_VOCAB_SIZE's is bad."""
-    raw = os.environ.get(ENV, "")
-    names = tuple(dict.fromkeys(n.strip() for n in raw.split(",") if n.strip()))
-    unknown = [n for n in names if n not in HOSTS]
-    if unknown:
-        _warn(f"{ENV}={raw!r} names unknown hosts {unknown} (known: {', '.join(HOSTS)})")
+    EXACTLOGP_VOCAB_SIZE's is bad (the table's checks: hosts.py)."""
+    try:
+        hosts.vocab_size()
+        return hosts.requested()
+    except ValueError as exc:
+        _warn(str(exc))
         return None
-    vocab = os.environ.get(VOCAB_ENV, "").strip()
-    if vocab and not (vocab.isascii() and vocab.isdigit() and 1 <= int(vocab) <= MAX_VOCAB):
-        _warn(f"{VOCAB_ENV}={os.environ[VOCAB_ENV]!r} is not an integer in [1, {MAX_VOCAB}]")
-        return None
-    return names
 
 
 def _warn(message: str) -> None:
@@ -112,10 +104,11 @@ def install() -> PatchOnImport | None:
     imported. Never raises: a problem is a RuntimeWarning naming what is wrong."""
     global _FINDER
     try:
-        hosts = requested()
-        if not hosts or _FINDER is not None:
+        names = requested()
+        if not names or _FINDER is not None:
             return _FINDER
-        pending = {TRIGGERS[h]: h for h in hosts if h in TRIGGERS}
+        triggers = {h: hosts.BY_NAME[h].trigger for h in names}
+        pending = {trigger: h for h, trigger in triggers.items() if trigger is not None}
         if not pending:
             return None
         _FINDER = PatchOnImport(pending)

@@ -7,7 +7,8 @@ into every process: a comma-separated list of hosts among trl, verl, megatron, v
 sglang (EXACTLOGP_VOCAB_SIZE, if set, is passed to megatron and verl as `vocab_size`).
 
 - vLLM / SGLang call exactlogp's plugin entry points in each of their processes
-  (`vllm.general_plugins`, `sglang.srt.plugins`): setting EXACTLOGP_PATCH is enough.
+  (`vllm.general_plugins`, `sglang.srt.plugins`: `vllm_plugin`, `sglang_plugin` below):
+  setting EXACTLOGP_PATCH is enough.
 - Ray: `runtime_env={"env_vars": {"EXACTLOGP_PATCH": "verl"},
   "worker_process_setup_hook": "exactlogp.integrations.autopatch.apply_from_env"}`.
 - Any Python process (TRL, torchrun ranks, Ray actors): nothing to do where exactlogp is
@@ -22,53 +23,29 @@ all or nothing: the patches it applied before the failing one are undone first (
 applied before the call stay). Both variables are checked, naming them, before anything
 is patched: EXACTLOGP_PATCH's hosts must be known, EXACTLOGP_VOCAB_SIZE a decimal integer
 in [1, 2^20].
+
+The hosts are one table, torch-free for the start-up hook (`_exactlogp_autopatch.hosts`):
+each row names the adapter module whose `patch_from_env(vocab_size)` applies the host's
+patch with the options its own variables ask for (EXACTLOGP_VLLM_CUT, ...).
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 from collections.abc import Callable
 
-from ..contract import MAX_VOCAB
+from _exactlogp_autopatch import hosts
+
 from . import _patching
 
-ENV = "EXACTLOGP_PATCH"
-VOCAB_ENV = "EXACTLOGP_VOCAB_SIZE"
-HOSTS = ("trl", "verl", "megatron", "vllm", "sglang")
+ENV, VOCAB_ENV, HOSTS = hosts.ENV, hosts.VOCAB_ENV, hosts.HOSTS
+requested, vocab_size = hosts.requested, hosts.vocab_size
 # Rebuilt with the context of a failed EXACTLOGP_PATCH; any other kind is re-raised as is.
 _REBUILT = (
     ImportError, ModuleNotFoundError, AttributeError, RuntimeError, ValueError, TypeError,
     NotImplementedError,
 )  # fmt: skip
-
-
-def requested() -> tuple[str, ...]:
-    """The hosts EXACTLOGP_PATCH names, each once, in order (empty when unset)."""
-    raw = os.environ.get(ENV, "")
-    names = tuple(dict.fromkeys(n.strip() for n in raw.split(",") if n.strip()))
-    unknown = [n for n in names if n not in HOSTS]
-    if unknown:
-        raise ValueError(
-            f"{ENV}={raw!r} names unknown hosts {unknown}; the known hosts are {', '.join(HOSTS)}"
-        )
-    return names
-
-
-def vocab_size() -> int | None:
-    """EXACTLOGP_VOCAB_SIZE as an int in [1, 2^20] (None when unset or empty)."""
-    raw = os.environ.get(VOCAB_ENV, "")
-    text = raw.strip()
-    if not text:
-        return None
-    if not (text.isascii() and text.isdigit()):
-        raise ValueError(
-            f"{VOCAB_ENV}={raw!r} is not a vocabulary size: it must be a decimal integer "
-            "(the model's real vocabulary, e.g. 151936)"
-        )
-    value = int(text)
-    if not 1 <= value <= MAX_VOCAB:
-        raise ValueError(f"{VOCAB_ENV}={raw!r} must be in [1, {MAX_VOCAB}]")
-    return value
 
 
 def apply_from_env() -> dict:
@@ -98,39 +75,45 @@ def apply_from_env() -> dict:
 
 def apply_host(host: str) -> _patching.PatchHandle:
     """Apply the patch of one host EXACTLOGP_PATCH names (the start-up hook calls it when
-    the host is first imported); an error names EXACTLOGP_PATCH and the host."""
-    if host not in HOSTS:
+    the host is first imported, the plugins in the host's processes); an error names
+    EXACTLOGP_PATCH and the host."""
+    if host not in hosts.BY_NAME:
         raise ValueError(f"host={host!r} is unknown; the known hosts are {', '.join(HOSTS)}")
     try:
         return _patch_function(host, vocab_size())()
     except _REBUILT as exc:
         if type(exc) not in _REBUILT:
             raise
+        raw = os.environ.get(ENV, "")
         raise type(exc)(
-            f"{ENV}={os.environ.get(ENV, '')!r}: patching {host} when it was imported failed: {exc}"
+            f"{ENV}={raw!r}: patching {host} when it was imported failed: {exc}"
         ) from exc
 
 
+def _plugin(host: str) -> None:
+    """A host's plugin entry point: its patch where EXACTLOGP_PATCH names it, nothing
+    (and no import of the host) otherwise."""
+    if host in requested():
+        apply_host(host)
+
+
+def vllm_plugin() -> None:
+    """vLLM's `general_plugins` entry point (registered as `exactlogp`): vLLM calls it in
+    its front-end, engine-core and every worker process; EXACTLOGP_PATCH=vllm applies
+    `patch_vllm_sampler` (EXACTLOGP_VLLM_CUT=exact: with cut="exact")."""
+    _plugin("vllm")
+
+
+def sglang_plugin() -> None:
+    """SGLang's `sglang.srt.plugins` entry point: EXACTLOGP_PATCH=sglang applies
+    `patch_sglang` in each SGLang process (EXACTLOGP_SGLANG_CUT=exact: cut="exact")."""
+    _plugin("sglang")
+
+
 def _patch_function(host: str, vocab: int | None) -> Callable[[], _patching.PatchHandle]:
-    if host == "trl":
-        from .trl import patch_trl
-
-        return patch_trl
-    if host == "verl":
-        from .verl import patch_verl
-
-        return lambda: patch_verl(vocab_size=vocab)
-    if host == "megatron":
-        from .megatron import patch_megatron
-
-        return lambda: patch_megatron(vocab_size=vocab)
-    if host == "vllm":
-        from .vllm import patch_vllm_sampler
-
-        return patch_vllm_sampler
-    from .sglang import patch_sglang
-
-    return patch_sglang
+    """The host's patch with the options the environment asks for, from its adapter."""
+    adapter = importlib.import_module(f"{__package__}.{hosts.BY_NAME[host].adapter}")
+    return lambda: adapter.patch_from_env(vocab)
 
 
 def _in_context(exc: BaseException, failed: str, undone: list[str]) -> str:
@@ -140,4 +123,5 @@ def _in_context(exc: BaseException, failed: str, undone: list[str]) -> str:
         if undone
         else "no patch had been applied by this call"
     )
-    return f"{ENV}={os.environ.get(ENV, '')!r}: {failed} failed and {done}: {exc}"
+    raw = os.environ.get(ENV, "")
+    return f"{ENV}={raw!r}: {failed} failed and {done}: {exc}"

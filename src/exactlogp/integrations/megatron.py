@@ -230,6 +230,12 @@ def patch_megatron(*, vocab_size: int | None = None) -> _patching.PatchHandle:
     return _patching.apply(PATCH_KEY, sites, {"vocab_size": vocab_size})
 
 
+def patch_from_env(vocab_size: int | None = None) -> _patching.PatchHandle:
+    """EXACTLOGP_PATCH=megatron (exactlogp.integrations.autopatch): `patch_megatron` with
+    EXACTLOGP_VOCAB_SIZE as its `vocab_size`."""
+    return patch_megatron(vocab_size=vocab_size)
+
+
 @_patching.atomic
 def unpatch_megatron() -> bool:
     """Restore megatron-core's own functions; False if `patch_megatron` was not applied."""

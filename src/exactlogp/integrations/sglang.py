@@ -32,7 +32,7 @@ kept set, what a trainer replays with the same parameters (see `_exact_cut_forwa
 
 SGLang runs its sampler in scheduler processes it spawns: set EXACTLOGP_PATCH=sglang (and
 EXACTLOGP_SGLANG_CUT=exact for the exact cut) and exactlogp's `sglang.srt.plugins` entry
-point (`sglang_plugin`) patches each of them.
+point (`exactlogp.integrations.autopatch.sglang_plugin`) patches each of them.
 
 Tested against a stand-in of SGLang's sampler (its real module needs CUDA-built
 torchvision here): tests/host_stubs/sglang, with SGLang 0.5.23's names and shapes.
@@ -53,7 +53,7 @@ PATCH_KEY = "patch_sglang"
 _SAMPLER = "sglang.srt.layers.sampler"
 _LOGPROBS = "sglang.srt.layers.logprob_processor"
 CUTS = ("float", "exact")
-CUT_ENV = "EXACTLOGP_SGLANG_CUT"  # read by sglang_plugin: "exact" for patch_sglang(cut="exact")
+CUT_ENV = "EXACTLOGP_SGLANG_CUT"  # read by patch_from_env: "exact" for patch_sglang(cut="exact")
 # The fields of SGLang's LogprobResult that the exact cut fills (0.5.23).
 _RESULT_FIELDS = ("token_logprobs", "top_logprobs_val", "top_logprobs_idx",
                   "token_ids_logprobs_val", "token_ids_logprobs_idx")  # fmt: skip
@@ -95,15 +95,11 @@ def unpatch_sglang() -> bool:
     return _patching.undo(PATCH_KEY)
 
 
-def sglang_plugin() -> None:
-    """SGLang `sglang.srt.plugins` entry point (registered as `exactlogp`), run in each
-    scheduler process: applies `patch_sglang()` when EXACTLOGP_PATCH names `sglang`;
-    EXACTLOGP_SGLANG_CUT=exact applies it with cut="exact" (unset, empty or "float": the
-    default)."""
-    from .autopatch import requested
-
-    if "sglang" in requested():
-        patch_sglang(cut=requested_cut())
+def patch_from_env(vocab_size: int | None = None) -> _patching.PatchHandle:
+    """EXACTLOGP_PATCH=sglang (exactlogp.integrations.autopatch): `patch_sglang` with the
+    cut EXACTLOGP_SGLANG_CUT asks for (unset or empty: the default)."""
+    del vocab_size  # SGLang's own logits carry their vocabulary
+    return patch_sglang(cut=requested_cut())
 
 
 def requested_cut() -> str:

@@ -837,6 +837,12 @@ def patch_trl(
     return _patching.apply(PATCH_KEY, sites, options, on_undo=_warn_left_behind)
 
 
+def patch_from_env(vocab_size: int | None = None) -> _patching.PatchHandle:
+    """EXACTLOGP_PATCH=trl (exactlogp.integrations.autopatch): `patch_trl()`."""
+    del vocab_size  # TRL's logits carry their vocabulary
+    return patch_trl()
+
+
 @_patching.atomic
 def unpatch_trl() -> bool:
     """Restore TRL's own functions; False if `patch_trl` was not applied.

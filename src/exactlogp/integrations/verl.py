@@ -439,6 +439,12 @@ def patch_verl(
     return _patching.apply(PATCH_KEY, sites, options, on_undo=_warn_left_behind)
 
 
+def patch_from_env(vocab_size: int | None = None) -> _patching.PatchHandle:
+    """EXACTLOGP_PATCH=verl (exactlogp.integrations.autopatch): `patch_verl` with
+    EXACTLOGP_VOCAB_SIZE as its `vocab_size`."""
+    return patch_verl(vocab_size=vocab_size)
+
+
 def _option(value):
     return value if not isinstance(value, torch.Tensor) else value.tolist()
 

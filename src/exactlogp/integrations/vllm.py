@@ -2,8 +2,8 @@
 
 `patch_vllm_sampler()` makes vLLM compute every logprob it returns with exactlogp (V2
 model runner: `compute_token_logprobs`, vLLM 0.25-0.34; V1 runner: the sampler's
-sampled-token logprob, vLLM <= 0.33); `vllm_plugin` applies it in vLLM's worker
-processes when EXACTLOGP_PATCH names `vllm`. Opt-in, `patch_vllm_sampler(cut="exact")`
+sampled-token logprob, vLLM <= 0.33); exactlogp's vLLM plugin (`autopatch.vllm_plugin`)
+applies it in vLLM's worker processes when EXACTLOGP_PATCH names `vllm`. Opt-in, `patch_vllm_sampler(cut="exact")`
 (EXACTLOGP_VLLM_CUT=exact for the plugin) also makes vLLM 0.34's V2 sampler cut and draw
 with exactlogp (docs/numerics.md section 13) for requests with top-k / top-p / min-p.
 
@@ -155,7 +155,9 @@ EXACT_COLUMNS = 32  # logprob columns per token computed exactly; past that, col
 
 
 CUTS = ("vllm", "exact")
-CUT_ENV = "EXACTLOGP_VLLM_CUT"  # read by vllm_plugin: "exact" for patch_vllm_sampler(cut="exact")
+CUT_ENV = (
+    "EXACTLOGP_VLLM_CUT"  # read by patch_from_env: "exact" for patch_vllm_sampler(cut="exact")
+)
 _V2_SAMPLER = "vllm.v1.worker.gpu.sample.sampler"
 _V2_REJECTION = "vllm.v1.worker.gpu.spec_decode.rejection_sampler"
 
@@ -202,8 +204,8 @@ def patch_vllm_sampler(cut: str = "vllm") -> _patching.PatchHandle:
     take effect (no known sampler, or a `compute_topk_scores` that no longer calls
     `compute_token_logprobs`), ImportError without vLLM. Applies to this process only:
     vLLM samples in its engine-core / worker processes, so use the plugin
-    (`EXACTLOGP_PATCH=vllm`, see `vllm_plugin`). Idempotent; undo with
-    `unpatch_vllm_sampler()`.
+    (`EXACTLOGP_PATCH=vllm`, `exactlogp.integrations.autopatch.vllm_plugin`). Idempotent;
+    undo with `unpatch_vllm_sampler()`.
     """
     if cut not in CUTS:
         raise ValueError(f"patch_vllm_sampler: cut must be one of {CUTS}, got {cut!r}")
@@ -244,16 +246,11 @@ def unpatch_vllm_sampler() -> bool:
     return _patching.undo(PATCH_KEY)
 
 
-def vllm_plugin() -> None:
-    """vLLM `general_plugins` entry point (registered as `exactlogp`): vLLM calls it in
-    its front-end, engine-core and every worker process. It applies
-    `patch_vllm_sampler()` when the environment variable EXACTLOGP_PATCH names `vllm`
-    (e.g. EXACTLOGP_PATCH=vllm), and does nothing otherwise. EXACTLOGP_VLLM_CUT=exact
-    applies it with cut="exact" (unset, empty or "vllm": the default cut)."""
-    from .autopatch import requested
-
-    if "vllm" in requested():
-        patch_vllm_sampler(cut=requested_cut())
+def patch_from_env(vocab_size: int | None = None) -> _patching.PatchHandle:
+    """EXACTLOGP_PATCH=vllm (exactlogp.integrations.autopatch): `patch_vllm_sampler` with
+    the cut EXACTLOGP_VLLM_CUT asks for (unset, empty or "vllm": the default cut)."""
+    del vocab_size  # vLLM's own logits carry their vocabulary
+    return patch_vllm_sampler(cut=requested_cut())
 
 
 def requested_cut() -> str:
