@@ -304,3 +304,23 @@ def test_temperature_overflow_to_inf_is_reported(batch):
         t,
         temperature=0.5,
     )
+
+
+def test_calls_without_a_gradient_share_nothing_they_return():
+    """A call without a gradient may keep its gradient statistics in per-thread scratch
+    (the CPU backend's small-call path): what it returns, and a gradient taken across
+    such calls, stay as they were."""
+    x1, t1 = llm_like_logits(3, 200, torch.bfloat16, seed=41)
+    x2, t2 = llm_like_logits(3, 200, torch.bfloat16, seed=42)
+    first = selected_logprobs(x1, t1, with_entropy=True, backend="cpu")
+    kept = [v.clone() for v in first]
+    xg = x1.clone().requires_grad_(True)
+    res = selected_logprobs(xg, t1, with_entropy=True, backend="cpu")  # statistics kept
+    selected_logprobs(x2, t2, with_entropy=True, backend="cpu")  # scratch rewritten
+    (res.logprobs.sum() + res.entropy.sum()).backward()
+    for got, want in zip(first, kept, strict=True):
+        assert_bitwise_equal(got, want, "an earlier call's outputs")
+    ref = x1.clone().requires_grad_(True)
+    want = selected_logprobs(ref, t1, with_entropy=True, backend="reference")
+    (want.logprobs.sum() + want.entropy.sum()).backward()
+    assert_bitwise_equal(xg.grad, ref.grad, "a gradient across a call without one")

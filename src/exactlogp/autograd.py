@@ -39,12 +39,13 @@ def forward_pipeline(
     call: Call,
     row_hash: torch.Tensor | None = None,  # (2, N) more per-row values the ranks share
     local_max: torch.Tensor | None = None,  # (N,) fp32 backend.row_max of logits, if known
+    keep_stats: bool = True,  # False: no gradient will read fin's statistics
 ) -> Forward:
     plan, backend = call.plan, call.backend
     if not call.group.distributed:  # the whole vocabulary is here: nothing crosses ranks
         if local_max is None:
             row_max, record, fin = backend.forward_unsharded(
-                logits, target, temperature, keep_mask, plan
+                logits, target, temperature, keep_mask, plan, keep_stats
             )
         else:  # no max pass: only the record
             record = backend.partials(logits, target, temperature, keep_mask, local_max, plan)
@@ -168,9 +169,11 @@ def once_differentiable(backward):
     return wrapper
 
 
-def checked_forward(logits, target, keep_mask, call: Call) -> Forward:
+def checked_forward(logits, target, keep_mask, call: Call, keep_stats: bool = True) -> Forward:
     """forward_pipeline on the whole call, then (validate=True) the bad-row check."""
-    forward = forward_pipeline(logits, target, call.temperature, keep_mask, call)
+    forward = forward_pipeline(
+        logits, target, call.temperature, keep_mask, call, keep_stats=keep_stats
+    )
     if call.validate:
         validate_rows(forward, target, call)
     return forward
@@ -182,7 +185,7 @@ def selected_logprobs_rows(logits, target, keep_mask, call: Call):
     bookkeeping that a small call would notice."""
     if torch.is_grad_enabled() and logits.requires_grad:
         return SelectedLogprobsFunction.apply(logits, target, keep_mask, call)
-    fin = checked_forward(logits, target, keep_mask, call).fin
+    fin = checked_forward(logits, target, keep_mask, call, keep_stats=False).fin
     return fin.logprobs, fin.entropy, fin.lse
 
 

@@ -155,7 +155,8 @@ def tensor_key(t):
     return ("tensor", t.shape, t.dtype, t.device, t.requires_grad)
 
 
-_PLAIN = frozenset((type(None), bool, int, float, str, tuple))
+_PLAIN = frozenset((type(None), bool, int, float, str, tuple, distributed.Group))
+_keyable: set[type] = set(_PLAIN)  # and each Backend class met so far
 
 
 def static_key(*parts) -> tuple | None:
@@ -163,11 +164,13 @@ def static_key(*parts) -> tuple | None:
     is not plain: a tensor that is no plain tensor, or a value of another type than None,
     bool, int, float, str, a tensor key, a Backend or a Group (a tensor temperature, say)."""
     kinds = tuple(map(type, parts))  # the types too: True and 1 stay apart
-    for part, kind in zip(parts, kinds, strict=True):
-        if part is _NOT_PLAIN or (
-            kind not in _PLAIN and not isinstance(part, (Backend, distributed.Group))
-        ):
-            return None
+    if not _keyable.issuperset(kinds):  # one set test on the usual call
+        for part, kind in zip(parts, kinds, strict=True):
+            if kind in _keyable:
+                continue
+            if part is _NOT_PLAIN or not isinstance(part, Backend):
+                return None
+            _keyable.add(kind)
     return (torch.is_grad_enabled(), contract.CONTRACT, kinds, parts)
 
 

@@ -337,6 +337,17 @@ def ranks_message(check, call, row_words=None) -> str:
     return f"the ranks of tp_group disagree on {what}: every rank must pass the same {must}"
 
 
+_FEW = 64  # up to this many values, a host list is read faster than a reduction
+
+
+def any_set(flags: torch.Tensor) -> bool:
+    """Whether any element is nonzero: one host read. A few values on the CPU are read as
+    a list (~0.2 us against ~2 us for .any() and its item on a 1-row call)."""
+    if flags.device.type == "cpu" and flags.numel() <= _FEW:
+        return any(flags.tolist())
+    return bool(flags.any())
+
+
 def raise_for_bad_rows(
     bad: torch.Tensor,  # (N,) int64 flags
     record: torch.Tensor,  # (N, NUM_COLS) int64
@@ -344,7 +355,7 @@ def raise_for_bad_rows(
     call,  # exactlogp.call.Call
     ranks=None,  # agreement.RankCheck, with a TP group
 ) -> None:
-    if not bool(bad.any()):  # the one host sync of validation
+    if not any_set(bad):  # the one host sync of validation
         return
     rows = torch.nonzero(bad).flatten()
     row = int(rows[0])

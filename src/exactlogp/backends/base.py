@@ -182,10 +182,15 @@ class Backend:
         top = torch.cat(parts, dim=-1).reshape(n, chunks)  # NaN propagates through amax
         return contract.scaled_logits(top, temperature.column()) + 0.0  # -0 -> +0
 
-    def forward_unsharded(self, logits, target, temperature, keep_mask, plan: ShardPlan):
+    def forward_unsharded(
+        self, logits, target, temperature, keep_mask, plan: ShardPlan, keep_stats: bool = True
+    ):
         """Stages 2-7 when this shard is the whole vocabulary (no TP group): (row max,
         record, Finalized). No collective lies between the passes, so a backend may fuse
-        them (one read of each row); this one runs them one after another."""
+        them (one read of each row); this one runs them one after another. keep_stats=
+        False: the caller drops the Finalized's gradient statistics (s_hi, s_lo, log_s,
+        entropy64, ignored: no gradient will be taken), so a backend may write them to
+        scratch that its next such call on this thread overwrites."""
         row_max = self.row_max(logits, temperature, keep_mask, plan)
         record = self.partials(logits, target, temperature, keep_mask, row_max, plan)
         return self.finish_unsharded(row_max, record, target, temperature, plan)

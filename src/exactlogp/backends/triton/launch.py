@@ -350,7 +350,7 @@ class TritonBackend(Backend):
             )[1]
         return partials(logits, target, temperature, keep_mask, row_max_, plan)
 
-    def forward_unsharded(self, logits, target, temperature, keep_mask, plan):
+    def forward_unsharded(self, logits, target, temperature, keep_mask, plan, keep_stats=True):
         if not self.uses_tables(logits, plan):
             return super().forward_unsharded(logits, target, temperature, keep_mask, plan)
         row_max, record = _tableson_device(logits, "sums")(
