@@ -96,6 +96,20 @@ def another_function_on_one_rank(rank, world, group, inputs):
     return exactlogp.selected_logprobs(logits, t, tp_group=group, vocab_size=VOCAB).logprobs
 
 
+def another_function_unvalidated(rank, world, group, inputs, cut=False):
+    """validate=False: rank 1 runs selected_logprobs (or, cut=True, processed_logprobs) of
+    linear_logits(...). With at most ROW_BLOCK rows the fused head's first MAX has the
+    layout of theirs: every output NaN on every rank, nothing waits."""
+    h, w, t = inputs
+    if rank == 0:
+        res, _, _ = forward(h, shard(w, rank, world), t, group, validate=False)
+        return res.logprobs
+    logits = exactlogp.linear_logits(h, shard(w, rank, world))
+    fn = exactlogp.processed_logprobs if cut else exactlogp.selected_logprobs
+    kw = dict(top_k=5) if cut else {}
+    return fn(logits, t, tp_group=group, vocab_size=VOCAB, validate=False, **kw).logprobs
+
+
 def requires_grad_on_one_rank(rank, world, group, inputs, validate):
     h, w, t = inputs
     res, hh, ww = forward(h, shard(w, rank, world), t, group, validate=validate,
@@ -177,6 +191,8 @@ CASES = {
     "cancelling_hidden_unvalidated": lambda *a: cancelling_hidden(*a, validate=False),
     "swapped_hidden": swapped_hidden,
     "another_function": another_function_on_one_rank,
+    "another_function_unvalidated": another_function_unvalidated,
+    "the_cut_unvalidated": lambda *a: another_function_unvalidated(*a, cut=True),
     "requires_grad": lambda *a: requires_grad_on_one_rank(*a, validate=True),
     "requires_grad_unvalidated": lambda *a: requires_grad_on_one_rank(*a, validate=False),
     "scaled_loss": lambda *a: scaled_loss_on_one_rank(*a, validate=True),
@@ -233,6 +249,8 @@ def test_the_fused_head_fails_closed_forward_and_backward():
         case("swapped_hidden", "raised", "disagree on the hidden states of row[5]")
         case("another_function", "raised", "disagree on the function called (rank 0: "
              "linear_selected_logprobs, rank 1: selected_logprobs)")  # fmt: skip
+        assert torch.isnan(case("another_function_unvalidated", "returned")).all()
+        assert torch.isnan(case("the_cut_unvalidated", "returned")).all()
         case("requires_grad", "raised", "disagree on which inputs require a gradient",
              "rank 0: hidden, weight, rank 1: weight")  # fmt: skip
         lp, dh, dw = case("requires_grad_unvalidated", "returned")

@@ -190,7 +190,7 @@ def term_limbs(d: torch.Tensor, with_entropy: bool = False, valid: torch.Tensor 
     """The limbs of each column's terms, d = fp64(y) - fp64(M) (any shape): (hi, lo) of
     e = Q(exp_c(d)) where CUTOFF <= d <= 0 (and `valid`), else 0 -- NaN and +-inf fail a
     compare -- and with_entropy also (hi, lo) of Q(e * (-d)). The partials pass sums them;
-    the exact cut (exactlogp.sampling) weighs and sums the kept columns by them."""
+    the exact cut (exactlogp.cut) weighs and sums the kept columns by them."""
     term = (d >= CUTOFF) & (d <= 0.0)
     if valid is not None:
         term = valid & term

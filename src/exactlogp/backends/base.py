@@ -166,7 +166,7 @@ class Backend:
         """(N, ceil(R / chunk)) fp32, R = plan.real_columns(V_local): the max of y over the
         real columns [c * chunk, min((c + 1) * chunk, R)) of each row, NaN where one of them
         is NaN, else +inf where one is +inf, and a zero max as +0. No keep mask. The exact
-        cut's top-k shortcut reads it (exactlogp.sampling). This default is torch code:
+        cut's top-k shortcut reads it (exactlogp.cut). This default is torch code:
         y = fp32(x) / tau is monotonic in x, so the max of y is y of the max of x."""
         check_chunk(chunk)
         n, real = num_rows(logits), plan.real_columns(logits.shape[-1])
