@@ -40,23 +40,29 @@ KIND_LINEAR = 2  # linear_selected_logprobs
 KIND_PROCESSED = 3  # processed_logprobs (the exact cut)
 KIND_SAMPLE = 4  # sample (the exact cut)
 KIND_SAMPLING_MASK = 5  # sampling_mask (the exact cut)
+KIND_REPLAY = 6  # replay_logprobs
+KIND_LINEAR_REPLAY = 7  # linear_replay_logprobs
 KIND_NAMES = {
     KIND_LOGITS: "selected_logprobs",
     KIND_LINEAR: "linear_selected_logprobs",
     KIND_PROCESSED: "processed_logprobs",
     KIND_SAMPLE: "sample",
     KIND_SAMPLING_MASK: "sampling_mask",
+    KIND_REPLAY: "replay_logprobs",
+    KIND_LINEAR_REPLAY: "linear_replay_logprobs",
 }
 NUM_KINDS = 8  # the one-hot slots of the kinds in the MAX (room for more functions)
 # functions that read nothing back on the host before their record's all_reduce(SUM):
 # a rank of another function that stops after a poisoned MAX still makes that SUM
-NO_SYNC_KINDS = (KIND_LOGITS, KIND_LINEAR)
+NO_SYNC_KINDS = (KIND_LOGITS, KIND_LINEAR, KIND_REPLAY, KIND_LINEAR_REPLAY)
 # what the two words of each row's hash that rides the MAX stand for, per function
 ROW_HASH_NAMES = {
     KIND_LINEAR: "hidden states",
     KIND_PROCESSED: "sampling parameters",
     KIND_SAMPLE: "sampling parameters or uniforms",
     KIND_SAMPLING_MASK: "sampling parameters",
+    KIND_REPLAY: "kept set",
+    KIND_LINEAR_REPLAY: "hidden states or kept set",
 }
 PHASE_FORWARD, PHASE_BACKWARD = 0, 1
 # the inputs whose requires_grad is bit i of CallFields.grads, per function
@@ -64,6 +70,8 @@ GRAD_INPUTS = {
     KIND_LOGITS: ("vocab_parallel_logits",),
     KIND_LINEAR: ("hidden", "weight", "bias"),
     KIND_PROCESSED: ("vocab_parallel_logits",),
+    KIND_REPLAY: ("vocab_parallel_logits",),
+    KIND_LINEAR_REPLAY: ("hidden", "weight", "bias"),
 }
 
 
@@ -364,6 +372,7 @@ class RankCheck(NamedTuple):
     target_min: torch.Tensor
     differs: torch.Tensor  # (k, N) bool: which per-row value differs (ROW_FIELD_NAMES)
     kinds: torch.Tensor  # (NUM_KINDS,) bool: the functions the ranks of the group run
+    vocab_end: torch.Tensor  # () fp64: vocab_size, else the end of the last shard
 
 
 # what each per-row value is, for the messages (the hash: ROW_HASH_NAMES of the function)
@@ -398,6 +407,19 @@ def _words(block: torch.Tensor) -> torch.Tensor:
     return u[:, 0::2] | (u[:, 1::2] << 16)
 
 
+def _mix(words: torch.Tensor, pos: torch.Tensor, length) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two mixed words of each 32-bit word at position `pos` of a row of `length`
+    words (int64 tensors, broadcast): each < 2^32, summed per row by the callers."""
+    x = (words + pos * _SEED + length) & _WORD  # pos * seed < 2^54
+    x = x ^ (x >> 16)
+    x = (x * _C1) & _WORD
+    x = x ^ (x >> 15)
+    x = (x * _C2) & _WORD
+    x = x ^ (x >> 16)
+    y = (x * _C3) & _WORD
+    return x, y ^ (y >> 13)
+
+
 def row_hash(rows: torch.Tensor) -> torch.Tensor:
     """(HASH_FIELDS, N) int64 below 2^24: a strong hash of the bits of each row of `rows`
     ((N, K), any 16- or 32-bit dtype), position by position. Row blocks keep the
@@ -409,16 +431,23 @@ def row_hash(rows: torch.Tensor) -> torch.Tensor:
     for r0 in range(0, n, step):
         words = _words(rows[r0 : r0 + step].contiguous())
         pos = torch.arange(words.shape[-1], dtype=torch.int64, device=rows.device)
-        x = (words + pos * _SEED + k) & _WORD  # pos * seed < 2^54; k: the row length
-        x = x ^ (x >> 16)
-        x = (x * _C1) & _WORD
-        x = x ^ (x >> 15)
-        x = (x * _C2) & _WORD
-        x = x ^ (x >> 16)
+        x, y = _mix(words, pos, k)  # k: the row length
         out[0, r0 : r0 + step] = x.sum(-1) & mask  # each x < 2^32: the sum < 2^54
-        y = (x * _C3) & _WORD
-        out[1, r0 : r0 + step] = (y ^ (y >> 13)).sum(-1) & mask
+        out[1, r0 : r0 + step] = y.sum(-1) & mask
     return out
+
+
+def segment_hash(values: torch.Tensor, row: torch.Tensor, pos: torch.Tensor, n: int):
+    """(HASH_FIELDS, n) int64 below 2^24: row_hash's hash of ragged rows -- element i of
+    `values` ((M,) integers below 2^32) at position pos[i] of row row[i] -- the length of
+    each row mixed in as row_hash does. Sums of fewer than 2^22 words per row stay exact."""
+    dev = values.device
+    length = torch.bincount(row, minlength=n)
+    x, y = _mix(values.to(torch.int64) & _WORD, pos, length[row])
+    out = torch.zeros(HASH_FIELDS, n, dtype=torch.int64, device=dev)
+    out[0].index_add_(0, row, x)
+    out[1].index_add_(0, row, y)
+    return out & ((1 << _HASH_BITS) - 1)
 
 
 def _row_values(target: torch.Tensor, temperature, row_hash) -> torch.Tensor:
@@ -514,7 +543,8 @@ def read_max(
     starts, widths = shards[: group.size], shards[group.size :]
     call = (key_hi != key_lo).any() | ~_tiles(starts, widths, vocab_size)
     poison = (rows.any() | call).expand(n)
-    return row_max, RankCheck(poison, rows, call, hi[0], lo[0], differs, kinds)
+    end = (starts + widths).max() if vocab_size is None else torch.full_like(starts[0], vocab_size)
+    return row_max, RankCheck(poison, rows, call, hi[0], lo[0], differs, kinds, end)
 
 
 def _tiles(starts: torch.Tensor, widths: torch.Tensor, vocab_size: int | None) -> torch.Tensor:

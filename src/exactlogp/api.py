@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import sys
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -46,6 +47,32 @@ class LogprobResult(NamedTuple):
     logprobs: torch.Tensor  # shape of target, fp32
     entropy: torch.Tensor | None  # shape of target, fp32; None unless with_entropy
     lse: torch.Tensor  # shape of target, fp32: log-sum-exp of y over the real, kept vocab
+
+
+@dataclass(frozen=True, eq=False)
+class KeptLogprobs:
+    """A LogprobResult over a kept set (the exact cut's, or one a rollout engine returned):
+    its three values, unpacked and indexed as (logprobs, entropy, lse), and the targets
+    outside the kept set: `dropped` (bool, the target's shape; their logprob is -inf with a
+    zero gradient) and `num_dropped` (0-d int64)."""
+
+    logprobs: torch.Tensor
+    entropy: torch.Tensor | None
+    lse: torch.Tensor
+    dropped: torch.Tensor
+    num_dropped: torch.Tensor
+
+    def __iter__(self):
+        return iter((self.logprobs, self.entropy, self.lse))
+
+    def __len__(self) -> int:
+        return 3
+
+    def __getitem__(self, i):
+        return (self.logprobs, self.entropy, self.lse)[i]
+
+    def as_result(self) -> LogprobResult:
+        return LogprobResult(self.logprobs, self.entropy, self.lse)
 
 
 @eager_only

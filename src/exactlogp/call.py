@@ -50,6 +50,7 @@ class Call:
     call_key: int  # fields.key() with a TP group (it rides the MAX), else 0
     linear: LinearOptions | None = None  # linear_selected_logprobs
     cut: CutOptions | None = None  # processed_logprobs, sample, sampling_mask
+    kept: object = None  # replay_logprobs: its replay.KeptSet
     logits_name: str = "vocab_parallel_logits"  # what the messages call the logits
 
     @property

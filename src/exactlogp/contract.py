@@ -86,6 +86,7 @@ BAD_NONFINITE = 8
 BAD_NO_VALID_COLUMN = 16
 BAD_TEMPERATURE = 32
 BAD_RANKS = 64  # the ranks of the TP group disagree (a per-row value, or the call itself)
+BAD_KEPT_SET = 128  # replay: the row's kept ids are malformed (flagged by exactlogp.replay)
 
 
 # --- 1. upcast and temperature ---

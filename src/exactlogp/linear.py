@@ -173,7 +173,12 @@ class LinearSelectedLogprobsFunction(torch.autograd.Function):
         w = _Weight(weight, bias, call.linear.logit_scale, call.backend, prepared)
         n = hidden.shape[0]
         # a strong hash of each row's bits rides the MAX: ranks with other hidden states fail
+        # (replay: and other kept sets, their hash added to it)
         hashes = agreement.row_hash(hidden) if call.group.distributed else None
+        kept = call.kept  # replay: the kept sets, masks of a block at a time
+        entries = None if kept is None else kept.shard(call.plan.vocab_start, weight.shape[0])
+        if kept is not None and hashes is not None:
+            hashes = (hashes + kept.row_hash()) & ((1 << 24) - 1)
         per_pass = max(1, LOGITS_BUDGET // (4 * max(weight.shape[0], 1) * ROW_BLOCK)) * ROW_BLOCK
         # where the backward cannot keep dL/dz, it slices the hidden gradient on a grid
         # predicted from the logits seen here (and checks the prediction per row)
@@ -194,12 +199,17 @@ class LinearSelectedLogprobsFunction(torch.autograd.Function):
                 fields = None if hashes is None else hashes[:, rows]
                 block = logits[r0 - p0 : rows.stop - p0]
                 known = None if local_max is None else local_max[r0 - p0 : rows.stop - p0]
-                parts.append(forward_pipeline(block, target[rows], tau, None, call, fields, known))
+                mask = None if entries is None else entries.rows_mask(rows, weight.shape[0])
+                known = known if mask is None else None  # the max over the kept columns
+                parts.append(forward_pipeline(block, target[rows], tau, mask, call, fields, known))
             del logits, block  # before the next pass allocates its own
         forward = _combine(parts, n, hidden.device)
+        if kept is not None:
+            forward = forward._replace(fin=kept.malformed(forward.fin, forward.ranks))
         if call.validate:
             validate_rows(forward, target, call)
         ctx.call, ctx.hashes, ctx.prepared, ctx.bound = call, hashes, prepared, bound
+        ctx.entries = entries
         ctx.poisoned = None if forward.ranks is None else _HostFlag(forward.ranks.poison)
         return save_forward(ctx, (hidden, weight, bias, target), forward)
 
@@ -218,7 +228,7 @@ class LinearSelectedLogprobsFunction(torch.autograd.Function):
         block = _grad_block(hidden.shape[0])
         bound = ctx.bound if grads.needs_hidden else None
         keep = bound is None and grads.needs_hidden  # the forward saw them fit
-        dlogits = _DLogits(w, a, row_scale, target, tau, stats, call, keep)
+        dlogits = _DLogits(w, a, row_scale, target, tau, stats, call, keep, ctx.entries)
         if bound is None:  # pass 1: dW, db and the rows' largest terms
             for rows in w.slices(block):
                 g = dlogits(rows, None if w.fused else w.quantized(rows), first=True)
@@ -345,17 +355,23 @@ class _DLogits:
     until the second pass reads them: the logits are then computed once in the backward
     instead of twice (GRAD_KEEP_BYTES bounds what is kept), and the values are the same."""
 
-    def __init__(self, w: _Weight, a, row_scale, target, tau, stats, call: Call, keep: bool):
+    def __init__(self, w: _Weight, a, row_scale, target, tau, stats, call: Call, keep: bool,
+                 entries=None, index=None):  # fmt: skip
         self.w, self.a, self.row_scale, self.target = w, a, row_scale, target
         self.tau, self.stats, self.call = tau, stats, call
         self.kept: dict[int, torch.Tensor] | None = {} if keep else None
+        # replay: the kept entries (replay.ShardEntries) and the call's rows these are
+        self.entries, self.index = entries, index
 
     def __call__(self, rows: slice, c=None, first: bool = False) -> torch.Tensor:
         g = None if self.kept is None else self.kept.pop(rows.start, None)
         if g is None:
             z = self.w.logits(self.a, self.row_scale, rows, c)
             plan = replace(self.call.plan, vocab_start=self.call.plan.vocab_start + rows.start)
-            g = self.call.backend.grad(z, self.target, self.tau, None, self.stats, plan)
+            mask = None
+            if self.entries is not None:
+                mask = self.entries.cols_mask(rows, z.shape[0], self.index)
+            g = self.call.backend.grad(z, self.target, self.tau, mask, self.stats, plan)
             if first and self.kept is not None:
                 self.kept[rows.start] = g
         return self._scaled(g)
@@ -368,7 +384,8 @@ class _DLogits:
         """The same for the rows `index` (M,) alone."""
         stats = contract.GradStats(*(t[index] for t in self.stats))
         return _DLogits(self.w, self.a[index], self.row_scale[index], self.target[index],
-                        self.tau.take(index), stats, self.call, False)  # fmt: skip
+                        self.tau.take(index), stats, self.call, False, self.entries,
+                        index)  # fmt: skip
 
     def predicted_top(self, bound: _GridBound) -> torch.Tensor:
         """(N,) fp64: each row's predicted largest |term| of the hidden gradient: the
@@ -587,6 +604,7 @@ def _combine(parts: list[Forward], n: int, device) -> Forward:
             poison, cat(r.rows for r in rs), torch.stack([r.call for r in rs]).any(),
             cat(r.target_max for r in rs), cat(r.target_min for r in rs),
             torch.cat([r.differs for r in rs], dim=1), torch.stack([r.kinds for r in rs]).any(0),
+            rs[0].vocab_end,
         )  # fmt: skip
         nan = torch.full((), float("nan"), device=device)
         fin = fin._replace(
@@ -666,7 +684,7 @@ def linear_selected_logprobs(
     group = distributed.resolve(tp_group)
     with distributed.serialized(group):
         call = agreement.checked(
-            group, validate, device_of(hidden, group), _linear_call,
+            group, validate, device_of(hidden, group), linear_call,
             hidden=hidden, weight=weight, bias=bias, logit_scale=logit_scale, target=target,
             group=group, vocab_start=vocab_start, vocab_size=vocab_size,
             temperature=temperature, ignore_index=ignore_index, with_entropy=with_entropy,
@@ -679,13 +697,14 @@ def linear_selected_logprobs(
     return shaped_result(call, *outputs)
 
 
-def _linear_call(*, hidden, weight, bias, logit_scale, **options) -> Call:
-    """linear_selected_logprobs' call: the head's arguments, the shared checks, then the
-    call extended with the head's options."""
+def linear_call(*, hidden, weight, bias, logit_scale, kind=agreement.KIND_LINEAR,
+                **options) -> Call:  # fmt: skip
+    """The fused head's call (linear_selected_logprobs, linear_replay_logprobs): the head's
+    arguments, the shared checks, then the call extended with the head's options."""
     scale = validation.check_linear(hidden, weight, bias, logit_scale)
     call = make_call(
         source=hidden, num_cols=weight.shape[0], has_keep_mask=False,
-        grads=agreement.grads_field(hidden, weight, bias), kind=agreement.KIND_LINEAR,
+        grads=agreement.grads_field(hidden, weight, bias), kind=kind,
         extra_fields=_linear_fields(hidden, bias, scale), source_name="hidden",
         logits_name="the logits hidden @ weight.T", **options,
     )  # fmt: skip

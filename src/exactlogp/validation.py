@@ -263,6 +263,11 @@ def _same_device(name: str, tensor: torch.Tensor, other: torch.Tensor) -> None:
 # --- data checks on the combined record (one host sync) ---
 
 _MESSAGES = (  # flag, message; the first flag set on the first bad row is reported
+    (
+        contract.BAD_KEPT_SET,
+        "kept_ids of row{idx} hold an id outside the vocabulary (past the end of the last "
+        "shard; pass vocab_size to have it named before any collective)",
+    ),
     (contract.BAD_TEMPERATURE, "temperature{idx} = {tau} must be finite and > 0 in float32"),
     (
         contract.BAD_TARGET_RANGE,
@@ -282,7 +287,8 @@ _MESSAGES = (  # flag, message; the first flag set on the first bad row is repor
 )
 
 
-def _index(row: int, shape: tuple[int, ...]) -> str:
+def index_text(row: int, shape: tuple[int, ...]) -> str:
+    """`[i, j]`: a flat row's index in the caller's shape, for the messages."""
     idx = list(torch.unravel_index(torch.tensor(row), shape)) if shape else []
     return "[" + ", ".join(str(int(i)) for i in idx) + "]"
 
@@ -317,7 +323,7 @@ def ranks_message(check, call, row_words=None) -> str:
         return "the ranks of tp_group disagree on the call (its options or the vocab shards)"
     r = int(rows[0])
     field = ROW_FIELD_NAMES[int(torch.nonzero(check.differs[:, r])[0])]
-    idx = _index(r, shape)
+    idx = index_text(r, shape)
     if field == "target":
         hi, lo = int(check.target_max[r]), int(check.target_min[r])
         what = f"target{idx} is {hi} on some ranks and {lo} on others"
@@ -362,7 +368,7 @@ def raise_for_bad_rows(
     flags = int(bad[row])
     if flags & contract.BAD_RANKS:  # poisons every row: nothing else of the call holds
         raise ValueError(ranks_message(ranks, call))
-    idx = _index(row, call.target_shape)
+    idx = index_text(row, call.target_shape)
     t, owners = int(target[row]), int(record[row, contract.COL_OWNERS])
     vocab_size = call.plan.vocab_size
     fields = dict(
@@ -400,7 +406,7 @@ def raise_for_bad_cut_rows(bad: torch.Tensor, call) -> None:
     rows = torch.nonzero(bad).flatten()
     row = int(rows[0])
     flags = int(bad[row])
-    idx = _index(row, call.target_shape)
+    idx = index_text(row, call.target_shape)
     text = next(
         msg.format(idx=idx, tau=call.temperature.at(row), logits=call.logits_name)
         for flag, msg in _CUT_MESSAGES

@@ -20,7 +20,7 @@ from typing import NamedTuple
 import torch
 
 from .. import agreement, distributed, validation
-from ..api import LogprobResult, eager_only
+from ..api import KeptLogprobs, eager_only
 from ..backends.base import row_view
 from ..call import Call, device_of, make_call
 from . import driver, processed
@@ -44,30 +44,11 @@ class SamplingMask(NamedTuple):
 
 
 @dataclass(frozen=True, eq=False)
-class ProcessedLogprobs:
-    """processed_logprobs' result: a LogprobResult's three values (unpacked and indexed
-    as (logprobs, entropy, lse)) and which targets lie outside the kept set: `dropped`
-    (bool, the target's shape; their logprob is -inf with a zero gradient) and
-    `num_dropped` (0-d int64). `mask` (a SamplingMask) is built on first read."""
+class ProcessedLogprobs(KeptLogprobs):
+    """processed_logprobs' result: a KeptLogprobs (three values when unpacked, the targets
+    outside the kept set) and `mask`, the cut's SamplingMask, built on first read."""
 
-    logprobs: torch.Tensor
-    entropy: torch.Tensor | None
-    lse: torch.Tensor
-    dropped: torch.Tensor
-    num_dropped: torch.Tensor
     _build_mask: object = None  # () -> SamplingMask
-
-    def __iter__(self):
-        return iter((self.logprobs, self.entropy, self.lse))
-
-    def __len__(self) -> int:
-        return 3
-
-    def __getitem__(self, i):
-        return (self.logprobs, self.entropy, self.lse)[i]
-
-    def as_result(self) -> LogprobResult:
-        return LogprobResult(self.logprobs, self.entropy, self.lse)
 
     @functools.cached_property
     def mask(self) -> SamplingMask:
