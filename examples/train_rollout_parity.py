@@ -23,9 +23,11 @@ Logprob methods, each run on both sides, for an LM head in bf16 and in fp32:
 A second run samples with a top-k / top-p / min-p cut (default top-k 50, top-p 0.9,
 min-p 0.05): the rollout draws each token with `exactlogp.sample` (TP=1) on its exact
 logits (`exactlogp.linear_logits`) and records `exactlogp.processed_logprobs`; the trainer
-(TP=4) replays (p) `processed_logprobs` on its vocabulary shards, and, beside it, (u) the
-unnormalised replay TRL and verl do today: the log-softmax over the full vocabulary,
-whose logprob is log S lower (S: the mass the cut keeps).
+(TP=4) replays (p) `processed_logprobs` on its vocabulary shards, (m) the kept sets the
+rollout returned (what vLLM's `--return-sampling-mask` returns: the ids each step kept,
+as CSR) with `exactlogp.replay_logprobs`, and, beside them, (u) the unnormalised replay
+TRL and verl do today: the log-softmax over the full vocabulary, whose logprob is log S
+lower (S: the mass the cut keeps).
 
 Two sources of mismatch are kept apart, token by token: the model body (outside this
 library) may already hand the two sides different hidden states -- Qwen3-Next decodes its
@@ -56,9 +58,12 @@ from exactlogp import (
     linear_logits,
     linear_selected_logprobs,
     processed_logprobs,
+    replay_logprobs,
     sample,
+    sampling_mask,
     selected_logprobs,
 )
+from exactlogp.integrations import kept_csr
 from exactlogp.integrations.megatron import megatron_padded_vocab_size
 from exactlogp.report.candidates.base import ShardContext, Unavailable, real_attribute
 from exactlogp.report.candidates.megatron_ce import MegatronCE
@@ -74,8 +79,10 @@ TRL = "(d) TRL selective_log_softmax"
 LOGITS = "    logits, own torch head"  # a row of the table, not a method
 METHODS = (EXACT, TORCH, BASELINE, TRL)
 PROCESSED = "(p) processed_logprobs TP4 / TP1"
+REPLAY = "(m) replay of the rollout's kept sets TP4"
 UNNORMALISED = "(u) unnormalised replay TP4"
-CUT_METHODS = (PROCESSED, UNNORMALISED)
+CUT_METHODS = (PROCESSED, REPLAY, UNNORMALISED)
+DROPPING = {PROCESSED: "dropped", REPLAY: "replay dropped"}  # their dropped targets
 EQUAL, DIFFER = "equal", "differ"  # the two groups of tokens, by their LM-head input
 
 
@@ -277,6 +284,14 @@ def processed_sampler(cut: dict):
     return draw
 
 
+def returned_kept_sets(logits: torch.Tensor, cut: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kept set of each sampled token, as an engine returns it (vLLM's
+    `--return-sampling-mask`: the ids each step kept, sorted), from the exact logits the
+    rollout sampled from, as CSR (kept_ids, kept_offsets)."""
+    keep = sampling_mask(logits, **cut).keep_mask
+    return kept_csr([row.nonzero().flatten() for row in keep])
+
+
 def _multinomial(hidden, weight, gen):
     probs = F.linear(hidden, weight).float().softmax(-1)
     return torch.multinomial(probs, 1, generator=gen).squeeze(-1)
@@ -362,8 +377,10 @@ def _trainer_rank(rank, world_size, group, vocab, jobs):
                 z = linear_logits(hidden, weight)
                 shard = {"tp_group": group, "vocab_start": cols.start, "vocab_size": vocab}
                 res = processed_logprobs(z, target, **shard, **job["cut"])
+                kept = replay_logprobs(z, target, *job["kept"], **shard)  # the rollout's sets
                 plain = selected_logprobs(z, target, **shard).logprobs
                 out.append({"logits": z, PROCESSED: res.logprobs, "dropped": res.dropped,
+                            REPLAY: kept.logprobs, "replay dropped": kept.dropped,
                             UNNORMALISED: plain})  # fmt: skip
                 continue
             logits = F.linear(hidden, weight)  # (T, width): ColumnParallelLinear's output
@@ -394,18 +411,18 @@ def trainer(
     payload = []
     cut_jobs = cut_jobs or {}
     for kind, group in ((None, jobs), (cfg.cut(), cut_jobs)):
-        for (_, head), (hidden, weight, target) in group.items():
+        for (_, head), (hidden, weight, target, *kept) in group.items():
             zeros = weight.new_zeros(vocab_padded - weight.shape[0], weight.shape[1])
             padded = torch.cat([weight, zeros])  # zero rows, as a checkpoint converter pads
             payload.append({"hidden": hidden.to(DTYPES[head]), "weight": padded,
-                            "target": target, "cut": kind})  # fmt: skip
+                            "target": target, "cut": kind, "kept": kept[0] if kept else None})  # fmt: skip
     ranks = run_gloo_world(cfg.tp, _trainer_rank, cfg.vocab, payload, timeout=1800)
     trl_logprobs, _ = trl_selective_log_softmax()
     cut_sides = {}
-    for k, ((body, head), (hidden, _, _)) in enumerate(cut_jobs.items(), start=len(jobs)):
+    for k, ((body, head), (hidden, *_)) in enumerate(cut_jobs.items(), start=len(jobs)):
         side = cut_sides.setdefault(body, Side(hidden))
         side.logits[head] = torch.cat([r[k]["logits"] for r in ranks], dim=-1)[:, : cfg.vocab]
-        for method in (*CUT_METHODS, "dropped"):
+        for method in (*CUT_METHODS, *DROPPING.values()):
             side.logprobs[head, method] = ranks[0][k][method]
     sides = {}
     for k, ((body, head), (hidden, weight, target)) in enumerate(jobs.items()):
@@ -469,18 +486,19 @@ def compare_sides(body, heads, train: Side, roll: Side) -> list[Row]:
 
 
 def compare_cut(body, heads, train: Side, roll: Side) -> list[Row]:
-    """The processed run: (p) and (u) against the rollout's processed logprobs; the
-    trainer's dropped targets (logprob -inf under (p)) are counted and left out of (p)."""
+    """The processed run: (p), (m) and (u) against the rollout's processed logprobs; the
+    trainer's dropped targets (logprob -inf under (p) and (m)) are counted and left out of
+    their figures."""
     rows = []
     for head in heads:
         same = bitwise_equal(train.hidden.to(DTYPES[head]), roll.hidden.to(DTYPES[head]))
-        dropped = train.logprobs[head, "dropped"]
         for group, mask in ((EQUAL, same), (DIFFER, ~same)):
             rollout_lp = roll.logprobs[head, PROCESSED]
             for method in CUT_METHODS:
-                keep = mask & ~dropped if method == PROCESSED else mask
+                dropped = train.logprobs[head, DROPPING[method]] if method in DROPPING else None
+                keep = mask if dropped is None else mask & ~dropped
                 s = compare(train.logprobs[head, method][keep], rollout_lp[keep])
-                if method == PROCESSED:
+                if dropped is not None:
                     s = dataclasses.replace(s, dropped=int((mask & dropped).sum()))
                 rows.append(Row(body, head, method, group, s))
             a, b = train.logits[head], roll.logits[head]
@@ -523,7 +541,8 @@ def run(cfg: DemoConfig) -> DemoResult:
             )  # fmt: skip
             cut_hidden = prefill(model, prompts, cut_roll_tokens, lengths)
             cut_agreement = hidden_agreement(body, Side(cut_hidden), cut_roll, lengths)
-            cut_jobs = {(body, body): (cut_hidden, weights[body], cut_roll_tokens)}
+            kept = returned_kept_sets(cut_roll.logits[body], cfg.cut())
+            cut_jobs = {(body, body): (cut_hidden, weights[body], cut_roll_tokens, kept)}
         del model
     padded = megatron_padded_vocab_size(cfg.vocab, cfg.tp)
     sides, cut_sides = trainer(cfg, jobs, padded, cut_jobs) if jobs else ({}, {})
@@ -602,9 +621,11 @@ def _cut_report(res: DemoResult) -> list[str]:
             f"exactlogp.sample (TP=1, temperature 1, top-k {cfg.top_k}, top-p {cfg.top_p}, "
             f"min-p {cfg.min_p}) from its {a.body} exact head and records "
             "exactlogp.processed_logprobs; the trainer (TP=4) replays (p) processed_logprobs "
-            "on its shards and (u) the log-softmax over the full vocabulary (TRL's and verl's "
-            "replay today). |log r| = |lp_train - lp_rollout|; dropped: the trainer's "
-            "target outside its kept set (left out of (p)'s figures)."
+            "on its shards, (m) the kept sets the rollout returned (exactlogp.replay_logprobs "
+            "of the CSR ids: what vLLM's --return-sampling-mask gives), and (u) the "
+            "log-softmax over the full vocabulary (TRL's and verl's replay today). |log r| = "
+            "|lp_train - lp_rollout|; dropped: the trainer's target outside its kept set "
+            "(left out of the figures of (p) and (m))."
         ),
         f"  hidden states bitwise equal: {a.equal}/{a.tokens} tokens",
         _cut_table(rows),
@@ -625,7 +646,7 @@ def _cut_table(rows: list[Row]) -> str:
         nums = [_num(x) for x in (s.mean_abs_diff, s.max_abs_diff, s.max_ratio_dev)]
         if r.method.strip().startswith("logits"):
             nums[0] = "-"
-        dropped = str(s.dropped) if r.method == PROCESSED else "-"
+        dropped = str(s.dropped) if r.method in DROPPING else "-"
         out.append(
             f"{r.head:<4} {r.method:<{width}} {r.group:<6} {f'{s.equal}/{s.tokens}':>13} "
             f"{nums[0]:>12} {nums[1]:>11} {nums[2]:>10} {dropped:>7}"
@@ -634,9 +655,9 @@ def _cut_table(rows: list[Row]) -> str:
 
 
 def processed_holds(res: DemoResult) -> bool:
-    """(p) is bitwise equal, r exactly 1 and nothing dropped on every token whose hidden
-    states are equal (and there are such tokens)."""
-    equal = [r for r in res.cut_rows if r.method == PROCESSED and r.group == EQUAL]
+    """(p) and (m) are bitwise equal, r exactly 1 and nothing dropped on every token whose
+    hidden states are equal (and there are such tokens)."""
+    equal = [r for r in res.cut_rows if r.method in DROPPING and r.group == EQUAL]
     return bool(equal) and all(
         r.stats.tokens > 0 and r.stats.equal == r.stats.tokens and r.stats.dropped == 0
         and r.stats.max_ratio_dev == 0.0
@@ -653,8 +674,9 @@ def _cut_verdict(res: DemoResult) -> str:
     bias = [r for r in res.cut_rows if r.method == UNNORMALISED and r.group == EQUAL]
     return (
         f"On every token whose hidden states are bitwise equal ({equal[0].stats.tokens}), "
-        "(p) trainer TP4 and rollout TP1 give the same processed logprob bits: r = 1 "
-        "exactly. The unnormalised replay (u) is off by log S there: mean |log r| "
+        "(p) trainer TP4 and rollout TP1 give the same processed logprob bits, and so does "
+        "(m), the replay of the kept sets the rollout returned: r = 1 exactly. The "
+        "unnormalised replay (u) is off by log S there: mean |log r| "
         f"{_num(bias[0].stats.mean_abs_diff)}, max {_num(bias[0].stats.max_abs_diff)}."
     )
 

@@ -100,11 +100,13 @@ def _exact_columns(logits, ids):
 
 
 def _assert_same(a, b, where=""):
-    """Bitwise equal nested dicts of tensors."""
+    """Bitwise equal nested dicts of tensors (and equal lists: vLLM's SamplingMask ids)."""
     if isinstance(b, dict):
         assert a.keys() == b.keys(), where
         for key in b:
             _assert_same(a[key], b[key], f"{where}/{key}")
+    elif isinstance(b, list):
+        assert a == b, where
     else:
         assert torch.equal(a, b), where
 
@@ -328,6 +330,31 @@ def test_v2_exact_cut_logprobs_and_sampling_mask_are_exactlogps(v2):
         n = int(got["mask_counts"][row])
         ids = torch.nonzero(res.mask.keep_mask[i]).flatten().to(torch.int32)
         assert torch.equal(got["mask_ids"][row, :n], ids)
+
+
+def test_v2_sampling_masks_replay_to_r_equals_1(v2):
+    """vLLM's own SamplingMask objects (its scheduler's CSR sliced per request, as its
+    output processor builds them) for the rows it sampled with the exact cut: the trainer
+    replays them (kept_csr, replay_logprobs) on the same logits and gets the rollout's
+    processed logprobs bit for bit -- r = exp(lp_train - lp_rollout) = 1 exactly -- and
+    the same through patch_trl's drop-in inside `replaying`."""
+    from exactlogp.integrations import kept_csr, replaying
+    from exactlogp.integrations import trl as trl_dropin
+
+    got, rows = v2["exact"], EXACT_ROWS
+    masks = [type("SamplingMask", (), {"token_ids": got["sampling_masks"][r]})() for r in rows]
+    assert all(len(m.token_ids) == 1 for m in masks)  # one generated token each
+    ids, offsets = kept_csr(masks)
+    params = _exact_params(got, rows)
+    x, sampled = got["before"][rows], got["sampled"][rows, 0]
+    train = exactlogp.replay_logprobs(x, sampled, ids, offsets, temperature=params["temperature"])
+    rollout = got["logprobs"][rows, 0]
+    assert int(train.num_dropped) == 0
+    assert torch.equal(train.logprobs, rollout)
+    assert torch.equal(torch.exp(train.logprobs - rollout), torch.ones(len(rows)))
+    with replaying(masks) as replay:
+        lp = trl_dropin.selective_log_softmax(x / params["temperature"].unsqueeze(-1), sampled)
+    assert replay.num_dropped == 0 and torch.equal(lp, rollout)
 
 
 def test_v2_exact_cut_leaves_other_rows_to_vllm(v2):

@@ -170,8 +170,19 @@ def test_processed_run_is_bitwise_on_equal_hidden_states(demo, result):
     )
     assert logits.equal == logits.tokens == p.tokens
     assert demo.processed_holds(result)
-    text = demo.format_report(result)
+    text = " ".join(demo.format_report(result).split())  # the prose as one line
     assert "top-k 50, top-p 0.9, min-p 0.05" in text and "r = 1" in text
+
+
+def test_replaying_the_returned_kept_sets_gives_r_1(demo, result):
+    """(m): the trainer replays the kept sets the rollout returned (CSR ids, as vLLM's
+    --return-sampling-mask gives them) with replay_logprobs on its TP4 shards: the
+    rollout's processed logprob bits on every token with equal hidden states."""
+    m = result.stats("bf16", "bf16", demo.REPLAY, demo.EQUAL)
+    p = result.stats("bf16", "bf16", demo.PROCESSED, demo.EQUAL)
+    assert m.tokens == p.tokens > 0 and m.equal == m.tokens and m.dropped == 0
+    assert m.max_abs_diff == 0.0 and m.max_ratio_dev == 0.0  # r = 1 exactly
+    assert "(m) replay of the rollout's kept sets" in demo.format_report(result)
 
 
 def test_unnormalised_replay_shows_the_log_s_bias(demo, result):
@@ -185,7 +196,7 @@ def test_unnormalised_replay_shows_the_log_s_bias(demo, result):
 
 def test_the_processed_check_fails_if_the_trainer_replays_unnormalised(demo, result):
     def swap(row):
-        if row.method != demo.PROCESSED:
+        if row.method not in (demo.PROCESSED, demo.REPLAY):
             return row
         other = result.stats(row.body, row.head, demo.UNNORMALISED, row.group)
         return dataclasses.replace(row, stats=other)

@@ -64,6 +64,7 @@ def main(out_path: str) -> None:
     import vllm.v1.worker.gpu.sample.prompt_logprob as prompt_logprob
     import vllm.v1.worker.gpu.sample.sampler as sampler_module
     import vllm.v1.worker.gpu.spec_decode.rejection_sampler as rejection
+    from vllm.outputs import SamplingMask
     from vllm.sampling_params import SamplingParams
     from vllm.v1.worker.gpu.input_batch import InputBatch, InputBuffers
     from vllm.v1.worker.gpu.sample.states import SamplingStates
@@ -138,11 +139,19 @@ def main(out_path: str) -> None:
         pos = batch.positions[batch.logits_indices]
         # compact ids past each row's count are unset memory: -1 there
         past = torch.arange(mask.token_ids.shape[1]) >= mask.counts.unsqueeze(-1)
+        # what a user gets: vLLM's scheduler CSR, sliced per request, and the public
+        # SamplingMask its output processor builds from the slices
+        lists = mask.tolists()
+        public = [
+            SamplingMask([p for p in lists.slice_request(i, 1).to_nested_list()])
+            for i in range(len(exact_params))
+        ]
         return {
             "sampled": out.sampled_token_ids, "ids": t.logprob_token_ids,
             "logprobs": t.logprobs, "ranks": t.selected_token_ranks, "scored": scored[0],
             "before": before_temperature[0], "mask_ids": mask.token_ids.masked_fill(past, -1),
             "mask_bits": mask.packed_mask, "mask_counts": mask.counts,
+            "sampling_masks": [m.token_ids for m in public],
             "temperature": st.temperature.gpu[slots], "top_k": st.top_k.gpu[slots],
             "top_p": st.top_p.gpu[slots], "min_p": st.min_p.gpu[slots],
             "uniforms": row_uniforms(st.seeds.gpu, slots, pos, VOCAB),

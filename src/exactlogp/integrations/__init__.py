@@ -10,6 +10,8 @@ output dtypes, and a reversible `patch_<host>()` per host.
   the `vllm.general_plugins` entry point.
 - `sglang`: the sampler's sampled-token logprobs, opt-in its exact cut and draw
   (`patch_sglang(cut="exact")`); `patch_sglang()` and its plugin.
+- `kept`: the kept sets vLLM and SGLang return, as CSR (`kept_csr`), and `replaying`, which
+  makes the trainer-side drop-ins replay them (exactlogp.replay_logprobs).
 - `autopatch`: EXACTLOGP_PATCH applies patches in worker processes and Ray actors.
 - `handshake`: the contract fingerprint a rollout ships and a trainer checks.
 
@@ -17,3 +19,7 @@ No host is a dependency: each module imports its host only inside the calls that
 so `import exactlogp.integrations.megatron` works where megatron-core is absent.
 See docs/integrations.md for one recipe per host and the version matrix.
 """
+
+from .kept import kept_csr, replaying  # noqa: E402  (torch and exactlogp only)
+
+__all__ = ["kept_csr", "replaying"]

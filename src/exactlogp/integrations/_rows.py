@@ -17,6 +17,7 @@ import torch
 from ..api import selected_logprobs
 from ..contract import MAX_VOCAB
 from ..validation import check_int
+from . import kept
 from ._dtensor import is_dtensor, vocab_shard
 
 IGNORE = -100  # the id that gives 0 (exactlogp's default ignore_index)
@@ -70,10 +71,13 @@ def one_id_per_row(
     row_mask: torch.Tensor | None = None,
     with_entropy: bool = False,
     vocab_size: int | None = None,
+    replay: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(logprobs, entropy) shaped like `index` (== logits.shape[:-1]); fp32, or fp64 for
     fp64 logits. Rows where `row_mask == 0` give exactly 0 and a zero gradient. A DTensor
-    `logits` sharded on its last dimension is scored shard by shard over its mesh's group."""
+    `logits` sharded on its last dimension is scored shard by shard over its mesh's group.
+    Inside `kept.replaying` (and `replay`: a call for the labels' logprobs), over the
+    rollout's kept sets."""
     vocab_size = check_vocab_size(vocab_size)
     if is_dtensor(index):
         index = index.full_tensor()
@@ -87,6 +91,8 @@ def one_id_per_row(
                 f"{tuple(index.shape)}"
             )
         index = torch.where(row_mask.to(index.device) == 0, IGNORE, index)
+    if replay and kept.active() is not None:
+        return _replayed(logits, index, temperature, with_entropy, vocab_size)
     if is_dtensor(logits):
         # FSDP2 / torchtitan tensor parallel: each rank scores its own vocabulary columns
         shard = vocab_shard(logits, -1)
@@ -108,6 +114,22 @@ def one_id_per_row(
     result = selected_logprobs(
         logits, index, temperature=temperature, with_entropy=with_entropy, vocab_size=vocab_size
     )
+    return result.logprobs, result.entropy
+
+
+def _replayed(logits, index, temperature, with_entropy, vocab_size):
+    """one_id_per_row inside `kept.replaying`: (logprobs, entropy) over the kept sets."""
+    options = dict(temperature=temperature, with_entropy=with_entropy)
+    if is_dtensor(logits):
+        shard = vocab_shard(logits, -1)
+        logits = shard.local
+        options.update(tp_group=shard.tp_group, vocab_start=shard.vocab_start,
+                       vocab_size=shard.vocab_size if shard.tp_group is not None else None)  # fmt: skip
+    elif logits.dtype == torch.float64:
+        raise ValueError("replaying kept sets needs bf16, fp16 or fp32 logits, got fp64")
+    else:
+        options["vocab_size"] = vocab_size
+    result = kept.replayed(logits, index, "the log-prob drop-in", **options)
     return result.logprobs, result.entropy
 
 
@@ -157,7 +179,9 @@ def entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     check_tensor("logits", logits)
     # Any id inside the vocabulary serves as the (unused) target; id 0 always is.
     target = torch.zeros(logits.shape[:-1], dtype=torch.int64, device=logits.device)
-    return one_id_per_row(logits, target, temperature=temperature, with_entropy=True)[1]
+    return one_id_per_row(logits, target, temperature=temperature, with_entropy=True, replay=False)[
+        1
+    ]
 
 
 def cast(value: torch.Tensor | None, dtype: torch.dtype | None) -> torch.Tensor | None:

@@ -30,7 +30,7 @@ import torch
 
 from ..api import selected_logprobs
 from ..cut import api as cut
-from . import _patching, _rows
+from . import _patching, _rows, kept
 
 logger = logging.getLogger(__name__)
 
@@ -67,13 +67,12 @@ def vocab_parallel_cross_entropy(
     """
     _check_label_smoothing(label_smoothing)
     group, vocab_start = resolve_tp_group(tp_group, vocab_parallel_logits)
-    result = selected_logprobs(
-        vocab_parallel_logits,
-        target,
-        tp_group=group,
-        vocab_start=vocab_start,
-        vocab_size=vocab_size,
-    )
+    options = dict(tp_group=group, vocab_start=vocab_start, vocab_size=vocab_size)
+    # inside exactlogp.integrations.replaying: over the rollout's kept sets
+    result = kept.replayed(vocab_parallel_logits, target, "vocab_parallel_cross_entropy",
+                           **options)  # fmt: skip
+    if result is None:
+        result = selected_logprobs(vocab_parallel_logits, target, **options)
     return -result.logprobs  # negation is exact: loss and logprob carry the same bits
 
 

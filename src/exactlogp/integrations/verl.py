@@ -52,7 +52,7 @@ from ..api import LogprobResult, selected_logprobs
 from ..cut.api import processed_logprobs
 from ..cut.options import scalar_cut
 from ..linear import linear_selected_logprobs
-from . import _patching, _rows
+from . import _patching, _rows, kept
 from .megatron import ProcessedReplay, resolve_tp_group
 from .megatron import processed_logprobs as _megatron_processed
 
@@ -142,7 +142,7 @@ def vocab_parallel_entropy(
     labels = torch.zeros(
         vocab_parallel_logits.shape[:-1], dtype=torch.int64, device=vocab_parallel_logits.device
     )
-    return _run(vocab_parallel_logits, labels, tp_group, vocab_size, with_entropy=True).entropy
+    return _run(vocab_parallel_logits, labels, tp_group, vocab_size, True, replay=False).entropy
 
 
 def vocab_parallel_entropy_with_chunking(
@@ -165,9 +165,16 @@ def vocab_parallel_log_probs_and_entropy(
     return result.logprobs, result.entropy
 
 
-def _run(logits, labels, tp_group, vocab_size, with_entropy: bool) -> LogprobResult:
+def _run(logits, labels, tp_group, vocab_size, with_entropy: bool, replay=True) -> LogprobResult:
+    """The labels' logprobs (and entropy) on Megatron's vocab shards; inside
+    `kept.replaying` (`replay`: a call for the labels) over the rollout's kept sets."""
     _rows.check_tensor("logits", logits)
     group, vocab_start = resolve_tp_group(tp_group, logits)
+    options = dict(tp_group=group, vocab_start=vocab_start, vocab_size=vocab_size,
+                   with_entropy=with_entropy)  # fmt: skip
+    found = kept.replayed(logits, labels, "verl's log-probs", **options) if replay else None
+    if found is not None:
+        return found
     return selected_logprobs(
         logits,
         labels,
