@@ -105,9 +105,10 @@ def logprobs_and_entropy(
     vocab_start: int | None = None,
     vocab_size: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """slime's semantics on exactlogp ([T] fp32 each): the keep mask
-    narrows the log-prob's normaliser only, with the target's column force-kept; the
-    entropy is the unmasked distribution's, detached unless `with_entropy_grad`."""
+    """slime's semantics on exactlogp ([T] fp32 each), for the slime drop-in and the vime
+    provider: the keep mask narrows the log-prob's normaliser only, with the target's
+    column force-kept; the entropy is the unmasked distribution's, detached unless
+    `with_entropy_grad`."""
     if logits.dtype == torch.float64:
         logits = logits.float()
     options = dict(tp_group=tp_group, vocab_start=vocab_start, vocab_size=vocab_size,
