@@ -316,6 +316,9 @@ def _check_patch_in_megatron(tensor_parallel, language_module, tp_group, case, t
             module, target.transpose(0, 1), shard
         )
     via_package = tensor_parallel.vocab_parallel_cross_entropy(shard, target)
+    rows = shard.reshape(-1, shard.shape[-1]).to(torch.float32, copy=True)  # miles' fp32 copy
+    before = rows.clone()
+    miles = miles_compute_log_probs(rows, target.reshape(-1), tp_group)
     handle.undo()
     restored = (
         cross_entropy.vocab_parallel_cross_entropy,
@@ -327,7 +330,20 @@ def _check_patch_in_megatron(tensor_parallel, language_module, tp_group, case, t
         via_package=via_package,
         restored=all(a is b for a, b in zip(originals, restored, strict=True)),
         sites=handle.sites,
+        miles=miles,
+        miles_input_kept=torch.equal(rows, before),
     )
+
+
+def miles_compute_log_probs(logits, tokens, process_group):
+    """miles' default log-prob path (radixark/miles@31f1ca9,
+    miles/backends/training_utils/loss_hub/math_utils.py, `compute_log_probs` without
+    true-on-policy mode): megatron-core's fused CE imported when called, on [T, 1, V_local]
+    logits and [T, 1] tokens, three positional arguments, negated: [T, 1]."""
+    from megatron.core.fusions.fused_cross_entropy import fused_vocab_parallel_cross_entropy
+
+    return -fused_vocab_parallel_cross_entropy(logits.unsqueeze(1), tokens.unsqueeze(1),
+                                               process_group)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -439,6 +455,19 @@ def test_real_megatron_patch_reaches_the_model_loss(megatron_world):
             assert_bitwise_equal(
                 loss, mine.transpose(0, 1), f"LanguageModule loss, fusion={fusion}"
             )
+
+
+def test_real_megatron_patch_covers_miles_log_probs(megatron_world):
+    """miles calls megatron-core's fused CE by name (math_utils.compute_log_probs): under
+    patch_megatron() that call form gives exactlogp's log-probs at TP = 4, the TP = 1 bits,
+    [T, 1] fp32, and leaves miles' fp32 copy as it was (megatron's own CE edits it)."""
+    cases, results = megatron_world
+    for rank in range(4):
+        patch = results[rank]["patch"]
+        assert patch["miles"].shape == (48, 1) and patch["miles"].dtype == torch.float32
+        tp1 = results[rank][(1, "bf16")]["mine"].reshape(-1, 1)
+        assert_bitwise_equal(patch["miles"], -tp1, f"miles log-probs, rank {rank}")
+        assert patch["miles_input_kept"]
 
 
 # --- Megatron-LM HEAD: explicit groups and the RL log-probs ---

@@ -6,6 +6,9 @@ output dtypes, and a reversible `patch_<host>()` per host.
   engines) and its fused kernels; `patch_verl()`.
 - `megatron`: megatron-core's `vocab_parallel_cross_entropy`, Megatron-LM RL's
   `selective_log_softmax`; `patch_megatron()`.
+- `slime`: slime's `calculate_log_probs_and_entropy` (its Megatron backend's log-probs,
+  entropies and top-p replay); `patch_slime()`.
+- `vime`: `provider`, for vime's `--linear-logp-provider` (nothing is patched).
 - `vllm`: the rollout's logprobs (V2 model runner, V1 sampler); `patch_vllm_sampler()` and
   the `vllm.general_plugins` entry point.
 - `sglang`: the sampler's sampled-token logprobs, opt-in its exact cut and draw
