@@ -332,6 +332,15 @@ def test_v2_exact_cut_logprobs_and_sampling_mask_are_exactlogps(v2):
         assert torch.equal(got["mask_ids"][row, :n], ids)
 
 
+def test_v2_exact_cut_refuses_watermarked_requests_with_a_cut(v2):
+    """vLLM's GPUWatermarkSampler draws in its own _sample_random: the exact cut would
+    replace the watermarked draw silently, so a watermarked request with top_k is refused;
+    a watermarked greedy request (no cut) samples as vLLM does."""
+    got = v2["exact_watermark"]
+    assert "a watermarked request (vLLM's watermark sampler) with top-k" in got["cut"]
+    assert got["no cut"] == "sampled"
+
+
 def test_v2_sampling_masks_replay_to_r_equals_1(v2):
     """vLLM's own SamplingMask objects (its scheduler's CSR sliced per request, as its
     output processor builds them) for the rows it sampled with the exact cut: the trainer

@@ -157,6 +157,38 @@ def main(out_path: str) -> None:
             "uniforms": row_uniforms(st.seeds.gpu, slots, pos, VOCAB),
         }  # fmt: skip
 
+    def run_watermarked():
+        """vLLM's GPUWatermarkSampler (what the V2 runner builds with a watermark config;
+        its watermarker is never reached here: the refusal comes first): a watermarked
+        request with top_k=20 is refused under the exact cut, one without a cut is not."""
+        from vllm.v1.watermarking.gpu_sampler import GPUWatermarkSampler
+
+        out = {}
+        for name, params in (("cut", SamplingParams(temperature=1.0, top_k=20, seed=3)),
+                             ("no cut", SamplingParams(temperature=0.0, seed=3))):  # fmt: skip
+            params.watermarking = True
+            states = RequestState(MAX_REQS, 32, 64, 0, VOCAB, device)
+            config = type("Config", (), {"reasoning_config": None})()
+            sampler = GPUWatermarkSampler(object(), config, MAX_REQS, VOCAB, device, states,
+                                          "processed_logprobs")  # fmt: skip
+            states.add_request("w", 8, [3, 1, 4, 1, 5, 9, 2, 6], 8, 16)
+            sampler.add_request(states.req_id_to_index["w"], params)
+            states.apply_staged_writes()
+            sampler.apply_staged_writes()
+            slot = states.req_id_to_index["w"]
+            batch = InputBatch.make_dummy(1, 1, InputBuffers(8, 64, device))
+            mapping = torch.tensor([slot], dtype=torch.int64)
+            batch = dataclasses.replace(batch, idx_mapping=mapping,
+                                        idx_mapping_np=np.array([slot]),
+                                        expanded_idx_mapping=mapping)  # fmt: skip
+            batch.seq_lens.fill_(9)
+            try:
+                sampler(logits_exact[:1].clone(), batch)
+                out[name] = "sampled"
+            except NotImplementedError as exc:
+                out[name] = str(exc)
+        return out
+
     # "plain": temperature, greedy, min-p, top-k, top-p (the trainer can rebuild these);
     # "edited": logit bias and penalties change the logits before the temperature.
     plain = [
@@ -328,6 +360,7 @@ def main(out_path: str) -> None:
     except NotImplementedError as exc:
         saved["exact_spec_refused"] = str(exc)
     saved["exact_repeat"] = run_exact()
+    saved["exact_watermark"] = run_watermarked()
     saved["exact_unpatch"] = ours.unpatch_vllm_sampler()
     saved["exact_unpatched_again"] = run_exact()
     SamplingStates.apply_temperature = their_apply_temperature

@@ -341,9 +341,11 @@ def _exact_sample(original):
     @functools.wraps(original)
     def sample(self, logits, expanded_idx_mapping, idx_mapping, idx_mapping_np, *args, **kw):
         states = self.sampling_states
-        if not _any_cut(states, idx_mapping_np):  # the batch's request slots, on the host
+        cut = _cut_slots(states, idx_mapping_np, logits.shape[-1])  # on the host
+        if not cut.any():
             return original(self, logits, expanded_idx_mapping, idx_mapping, idx_mapping_np,
                             *args, **kw)  # fmt: skip
+        _refuse_watermarks(self, idx_mapping_np, cut)
         before = []
         their_temperature, their_random = states.apply_temperature, self._sample_random
 
@@ -388,18 +390,36 @@ def _exact_rows(states, x, sampled, processed, requests, pos):
     return sampled, processed
 
 
-def _any_cut(states, requests) -> bool:
-    """Whether a request slot of `requests` (host array) takes the exact cut."""
-    return bool(
-        (
-            (states.temperature.np[requests] != 0)
-            & (
-                (states.top_k.np[requests] < states.vocab_size)
-                | (states.top_p.np[requests] != 1)
-                | (states.min_p.np[requests] != 0)
-            )
-        ).any()
-    )
+def _cut_slots(states, requests, vocab_size: int):
+    """(len(requests),) host bool: which request slots take the exact cut (a temperature
+    above 0 and a top-k, top-p or min-p). Reads each field's host copy where vLLM keeps
+    one, else its device tensor (a sampler state vLLM accepts need not have both)."""
+    t, k, p, m = (_host(getattr(states, f))[requests]
+                  for f in ("temperature", "top_k", "top_p", "min_p"))  # fmt: skip
+    vocab = getattr(states, "vocab_size", vocab_size)
+    return (t != 0) & ((k < vocab) | (p != 1) | (m != 0))
+
+
+def _host(field):
+    """A UVA-backed sampler field's host array (`.np`), else its `.gpu` tensor copied."""
+    found = getattr(field, "np", None)
+    return found if found is not None else field.gpu.cpu().numpy()
+
+
+def _refuse_watermarks(sampler, requests, cut) -> None:
+    """vLLM's GPUWatermarkSampler draws watermarked tokens in its own `_sample_random`;
+    the exact cut's draw would replace them without a word. Watermarked requests with a
+    cut are refused (those without a cut keep vLLM's watermarked draw)."""
+    marks = getattr(sampler, "watermarking", None)
+    if marks is None:
+        return
+    if (_host(marks)[requests] & cut).any():
+        raise NotImplementedError(
+            "patch_vllm_sampler(cut='exact'): a watermarked request (vLLM's watermark "
+            "sampler) with top-k / top-p / min-p: the exact cut would replace the "
+            "watermark's draw; run watermarked requests without a cut, or patch with "
+            "cut='vllm'"
+        )
 
 
 def _refuse_exact_verify(original):
@@ -412,8 +432,11 @@ def _refuse_exact_verify(original):
 
     @functools.wraps(original)
     def _verify(self, *args, **kwargs):
-        requests = signature.bind(self, *args, **kwargs).arguments.get("idx_mapping_np")
-        if requests is not None and _any_cut(self.sampler.sampling_states, requests):
+        bound = signature.bind(self, *args, **kwargs).arguments
+        requests, logits = bound.get("idx_mapping_np"), bound.get("logits")
+        vocab = logits.shape[-1] if isinstance(logits, torch.Tensor) else 1 << 62
+        if requests is not None and _cut_slots(self.sampler.sampling_states, requests,
+                                               vocab).any():  # fmt: skip
             raise NotImplementedError(
                 "patch_vllm_sampler(cut='exact'): speculative decoding's rejection sampler "
                 "keeps vLLM's own top-k / top-p / min-p cut; run requests with a cut without "
