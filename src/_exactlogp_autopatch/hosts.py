@@ -30,6 +30,7 @@ TABLE = (
     Host("trl", "trl", "trl"),
     Host("verl", "verl", "verl"),
     Host("megatron", "megatron", "megatron.core"),
+    Host("nemo_rl", "nemo_rl", "nemo_rl"),
     Host("vllm", "vllm", None),
     Host("sglang", "sglang", None),
 )
