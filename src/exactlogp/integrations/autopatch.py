@@ -3,8 +3,9 @@
 A `patch_*()` call changes the process that makes it. vLLM samples in its engine-core and
 worker processes, verl and slime train in Ray actors, so a patch in the driver changes
 nothing where it matters. The environment variable EXACTLOGP_PATCH carries the request
-into every process: a comma-separated list of hosts among trl, verl, megatron, vllm,
-sglang (EXACTLOGP_VOCAB_SIZE, if set, is passed to megatron and verl as `vocab_size`).
+into every process: a comma-separated list of hosts among trl, verl, megatron, nemo_rl,
+skyrl, vllm, sglang (EXACTLOGP_VOCAB_SIZE, if set, is passed to megatron, verl, nemo_rl and
+skyrl as `vocab_size`).
 
 - vLLM / SGLang call exactlogp's plugin entry points in each of their processes
   (`vllm.general_plugins`, `sglang.srt.plugins`: `vllm_plugin`, `sglang_plugin` below):
@@ -13,10 +14,10 @@ sglang (EXACTLOGP_VOCAB_SIZE, if set, is passed to megatron and verl as `vocab_s
   "worker_process_setup_hook": "exactlogp.integrations.autopatch.apply_from_env"}`.
 - Any Python process (TRL, torchrun ranks, Ray actors): nothing to do where exactlogp is
   installed in site-packages. Its `exactlogp-autopatch.pth` runs a start-up hook in every
-  interpreter (`_exactlogp_autopatch`): with EXACTLOGP_PATCH set it patches trl, verl and
-  megatron (at `megatron.core`) right after each is first imported. Where the .pth is not
-  processed (`python -S`, exactlogp only on PYTHONPATH), call `apply_from_env()` at
-  start-up, or put it in a `sitecustomize.py`.
+  interpreter (`_exactlogp_autopatch`): with EXACTLOGP_PATCH set it patches trl, verl,
+  megatron (at `megatron.core`), nemo_rl and skyrl right after each is first imported.
+  Where the .pth is not processed (`python -S`, exactlogp only on PYTHONPATH), call
+  `apply_from_env()` at start-up, or put it in a `sitecustomize.py`.
 
 A requested patch that cannot be applied raises (never a silent no-op), and the call is
 all or nothing: the patches it applied before the failing one are undone first (patches
