@@ -10,7 +10,7 @@ TORCH_SPEC ?= torch==2.13.0
 EXTRAS ?= test,dev,report,bench,megatron,examples,trl,verl
 REPORT_ARGS ?=
 STAMP := $(VENV)/.exactlogp-setup
-# Real rollout hosts for the tests, each in its own directory under $(HOSTS) that only the
+# Real hosts for the tests, each in its own directory under $(HOSTS) that only the
 # tests' subprocesses put on their path: vLLM's wheels pin a CUDA torch (so --no-deps, plus
 # exactly the modules its sampler and logprob code import, found by importing them), and
 # TRL imports vLLM whenever vLLM is importable, which would break TRL here. One directory
@@ -23,6 +23,11 @@ VLLM_IMPORTS := msgspec==0.23.0 pyzmq==27.3.0 pybase64==1.5.1 cachetools==8.0.2 
 VLLM_V1_IMPORTS := cbor2==6.3.0 openai-harmony==0.0.8 openai==3.63.0 httpx2==2.17.0 \
 	xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2 fastapi==0.165.0 starlette==1.10.0 \
 	partial-json-parser==0.2.1.1.post7 llguidance==1.9.1
+# SkyRL (one pure-Python wheel; its training extras pin CUDA packages): --no-deps, plus the
+# modules its torch_utils import needs beyond the venv's pydantic, fsspec, transformers,
+# peft and megatron-core (tests/real_hosts/skyrl_run.py).
+SKYRL := 0.3.0
+SKYRL_IMPORTS := jaxtyping==0.3.11 wadler-lindig==0.1.8 loguru==0.7.3
 HOSTS_STAMP := $(HOSTS)/.exactlogp-hosts
 TARGET_INSTALL := $(PY) -m pip install -q --no-deps --no-warn-conflicts --no-compile --target
 
@@ -40,9 +45,10 @@ $(STAMP): pyproject.toml setup.py Makefile
 	@touch $(STAMP)
 
 $(HOSTS_STAMP): $(STAMP)
-	rm -rf $(HOSTS)/vllm-$(VLLM_V2) $(HOSTS)/vllm-$(VLLM_V1)
+	rm -rf $(HOSTS)/vllm-$(VLLM_V2) $(HOSTS)/vllm-$(VLLM_V1) $(HOSTS)/skyrl-$(SKYRL)
 	$(TARGET_INSTALL) $(HOSTS)/vllm-$(VLLM_V2) vllm==$(VLLM_V2) $(VLLM_IMPORTS)
 	$(TARGET_INSTALL) $(HOSTS)/vllm-$(VLLM_V1) vllm==$(VLLM_V1) $(VLLM_IMPORTS) $(VLLM_V1_IMPORTS)
+	$(TARGET_INSTALL) $(HOSTS)/skyrl-$(SKYRL) skyrl==$(SKYRL) $(SKYRL_IMPORTS)
 	@touch $(HOSTS_STAMP)
 
 # EXACTLOGP_REAL_HOSTS=required: a test of a real host that `make setup` installed fails,

@@ -31,6 +31,8 @@ TABLE = (
     Host("verl", "verl", "verl"),
     Host("megatron", "megatron", "megatron.core"),
     Host("slime", "slime", "slime"),
+    Host("nemo_rl", "nemo_rl", "nemo_rl"),
+    Host("skyrl", "skyrl", "skyrl"),
     Host("vllm", "vllm", None),
     Host("sglang", "sglang", None),
 )

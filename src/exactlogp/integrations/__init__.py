@@ -9,6 +9,10 @@ output dtypes, and a reversible `patch_<host>()` per host.
 - `slime`: slime's `calculate_log_probs_and_entropy` (its Megatron backend's log-probs,
   entropies and top-p replay); `patch_slime()`.
 - `vime`: `provider`, for vime's `--linear-logp-provider` (nothing is patched).
+- `nemo_rl`: NeMo-RL's vocab-parallel `from_parallel_logits_to_logprobs` and its autograd
+  entries (also with top-k / top-p: the exact cut); `patch_nemo_rl()`.
+- `skyrl`: SkyRL 0.3.0's FSDP `logprobs_from_logits` / `chunked_entropy_from_logits` and its
+  Megatron `from_parallel_logits_to_logprobs` (NeMo-RL's convention); `patch_skyrl()`.
 - `vllm`: the rollout's logprobs (V2 model runner, V1 sampler); `patch_vllm_sampler()` and
   the `vllm.general_plugins` entry point.
 - `sglang`: the sampler's sampled-token logprobs, opt-in its exact cut and draw

@@ -323,3 +323,29 @@ def host_version(package: str, patch: str) -> str:
         except PackageNotFoundError:
             version = "of unknown version"
     return str(version)
+
+
+def check_signature(owner, name: str, expected: tuple[str, ...], patch: str, host: str) -> None:
+    """Refuse a host version whose `owner.name` -- a function, or an autograd Function
+    whose `forward` is read -- does not take the parameters `expected`, in that order:
+    its convention is not the one the drop-in reproduces. `host` names the host and its
+    version for the message (AttributeError when the name is missing, RuntimeError when
+    it differs); nothing is patched then."""
+    import inspect
+
+    obj = owner.__dict__.get(name)
+    if obj is None:
+        raise AttributeError(
+            f"{patch}: {owner.__name__}.{name} does not exist in {host}; nothing was patched"
+        )
+    fn = getattr(obj, "forward", None) if isinstance(obj, type) else obj
+    try:
+        got = tuple(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        got = None
+    if got != expected:
+        raise RuntimeError(
+            f"{patch}: {owner.__name__}.{name} of {host} takes {got}, not {expected} as the "
+            "version this adapter follows does; its convention is not known here, so "
+            "nothing was patched"
+        )

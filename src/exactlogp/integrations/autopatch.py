@@ -3,9 +3,9 @@
 A `patch_*()` call changes the process that makes it. vLLM samples in its engine-core and
 worker processes, verl and slime train in Ray actors, so a patch in the driver changes
 nothing where it matters. The environment variable EXACTLOGP_PATCH carries the request
-into every process: a comma-separated list of hosts among trl, verl, megatron, slime,
-vllm, sglang (EXACTLOGP_VOCAB_SIZE, if set, is passed to megatron, verl and slime as
-`vocab_size`).
+into every process: a comma-separated list of the hosts of the table
+(`_exactlogp_autopatch/hosts.py`: trl, verl, megatron, slime, nemo_rl, skyrl, vllm, sglang;
+EXACTLOGP_VOCAB_SIZE, if set, is passed to the adapters that take a `vocab_size`).
 
 - vLLM / SGLang call exactlogp's plugin entry points in each of their processes
   (`vllm.general_plugins`, `sglang.srt.plugins`: `vllm_plugin`, `sglang_plugin` below):
@@ -14,10 +14,9 @@ vllm, sglang (EXACTLOGP_VOCAB_SIZE, if set, is passed to megatron, verl and slim
   "worker_process_setup_hook": "exactlogp.integrations.autopatch.apply_from_env"}`.
 - Any Python process (TRL, torchrun ranks, Ray actors): nothing to do where exactlogp is
   installed in site-packages. Its `exactlogp-autopatch.pth` runs a start-up hook in every
-  interpreter (`_exactlogp_autopatch`): with EXACTLOGP_PATCH set it patches trl, verl,
-  megatron (at `megatron.core`) and slime right after each is first imported. Where the .pth is not
-  processed (`python -S`, exactlogp only on PYTHONPATH), call `apply_from_env()` at
-  start-up, or put it in a `sitecustomize.py`.
+  interpreter (`_exactlogp_autopatch`): with EXACTLOGP_PATCH set it patches each host of
+  the table that has a trigger module right after that module is first imported. Where the .pth is not processed (`python -S`, exactlogp only on PYTHONPATH),
+  call `apply_from_env()` at start-up, or put it in a `sitecustomize.py`.
 
 A requested patch that cannot be applied raises (never a silent no-op), and the call is
 all or nothing: the patches it applied before the failing one are undone first (patches

@@ -1,0 +1,1 @@
+"""Stand-in for `nemo_rl/models/__init__.py` (NVIDIA-NeMo/RL@7ea279abfbeb): empty."""
