@@ -196,6 +196,33 @@ def test_patch_reaches_every_binding_and_undo_restores_them(patched):
         assert sys.modules[name].add_fused_lm_head is trl_utils.add_fused_lm_head, name
 
 
+def test_patch_reaches_trls_triton_kernel_and_its_copy():
+    """trl.kernels.selective_log_softmax_and_entropy (TRL's Triton kernel: temperature
+    third, fp32 outputs) and its copy trl.trainer.utils._fused_logprob_entropy, which TRL's
+    own selective_log_softmax_and_entropy calls on CUDA, are exactlogp's while patched."""
+    import trl.kernels as trl_kernels
+
+    theirs = trl_kernels.selective_log_softmax_and_entropy
+    assert trl_utils._fused_logprob_entropy is theirs
+    x, t = llm_like_logits(6, 40, torch.bfloat16, seed=2)
+    mask = torch.tensor([1, 1, 0, 1, 1, 1])
+    trl.patch_trl()
+    try:
+        assert trl_kernels.selective_log_softmax_and_entropy is (
+            trl.kernel_selective_log_softmax_and_entropy
+        )
+        assert trl_utils._fused_logprob_entropy is trl.kernel_selective_log_softmax_and_entropy
+        lp, ent = trl_kernels.selective_log_softmax_and_entropy(x, t, 0.7, mask)
+    finally:
+        trl.unpatch_trl()
+    assert trl_kernels.selective_log_softmax_and_entropy is theirs
+    assert trl_utils._fused_logprob_entropy is theirs
+    want = selected_logprobs(x, torch.where(mask == 0, -100, t), temperature=0.7,
+                             with_entropy=True)  # fmt: skip
+    assert lp.dtype == ent.dtype == torch.float32  # the kernel's dtype
+    assert torch.equal(lp, want.logprobs) and torch.equal(ent, want.entropy)
+
+
 def test_patch_reaches_a_module_imported_afterwards(patched):
     for name in [n for n in sys.modules if n.startswith("trl.experimental.cpo")]:
         del sys.modules[name]

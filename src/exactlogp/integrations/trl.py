@@ -118,6 +118,22 @@ def selective_log_softmax_and_entropy(
     return _rows.cast(logprobs, dtype), _rows.cast(entropy, dtype)
 
 
+def kernel_selective_log_softmax_and_entropy(
+    logits: torch.Tensor,
+    index: torch.Tensor,
+    temperature: float = 1.0,
+    row_mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`trl.kernels.selective_log_softmax_and_entropy`, TRL's Triton kernel (the temperature
+    third, no entropy_requires_grad): (log-probabilities at `index`, entropy), fp32 as the
+    kernel returns them, both 0 where `row_mask == 0`."""
+    temperature = _rows.check_positive_temperature(temperature)
+    _check_one_id_per_row(logits, index)
+    return _rows.one_id_per_row(
+        logits, index, temperature=temperature, row_mask=row_mask, with_entropy=True
+    )
+
+
 def entropy_from_logits(
     logits: torch.Tensor, chunk_size: int = 128, *, out_dtype: torch.dtype | None = None
 ) -> torch.Tensor:
@@ -830,6 +846,11 @@ def patch_trl(
         )
     ]
     sites.append(_patching.Site("trl.trainer", "add_fused_lm_head", add_fused_lm_head))
+    # TRL's Triton kernel (present where Triton is): its name in trl.kernels and its copy
+    # in trl.trainer.utils (`_fused_logprob_entropy`, which TRL's own function calls on CUDA)
+    sites.append(_patching.Site("trl.kernels", "selective_log_softmax_and_entropy",
+                                kernel_selective_log_softmax_and_entropy, optional=True,
+                                everywhere=True))  # fmt: skip
     options = {"out_dtype": out_dtype}
     if processed:
         sites.extend(_processed_sites())
