@@ -69,17 +69,20 @@ class KeptSet(NamedTuple):
 
     def holds(self, target: torch.Tensor) -> torch.Tensor:
         """(N,) bool: each row's target is one of its kept ids (rows sorted: one search)."""
+        want = torch.arange(self.num_rows, device=target.device) * (1 << 32) + target
+        if not self.ids.numel():
+            return torch.zeros_like(want, dtype=torch.bool)
         key = self.row * (1 << 32) + self.ids
-        want = torch.arange(self.num_rows, device=key.device) * (1 << 32) + target
-        at = torch.searchsorted(key, want).clamp(max=max(key.shape[0] - 1, 0))
-        return (key.shape[0] > 0) & (key[at] == want) if key.numel() else want < 0
+        at = torch.searchsorted(key, want).clamp(max=key.shape[0] - 1)
+        return key[at] == want
 
     def first(self) -> torch.Tensor:
         """(N,) int64: each row's smallest kept id (-1 where none)."""
         lo, hi = self.offsets[:-1], self.offsets[1:]
+        if not self.ids.numel():
+            return torch.full_like(lo, -1)
         has = (hi > lo) & (lo >= 0) & (lo < self.ids.shape[0])
-        at = lo.clamp(0, max(self.ids.shape[0] - 1, 0))
-        return torch.where(has, self.ids[at] if self.ids.numel() else at, -1)
+        return torch.where(has, self.ids[lo.clamp(0, self.ids.shape[0] - 1)], -1)
 
     def row_hash(self) -> torch.Tensor:
         """(2, N) int64 below 2^24: the hash of each row's ids (they ride the MAX)."""

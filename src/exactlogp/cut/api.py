@@ -59,12 +59,12 @@ class ProcessedLogprobs(KeptLogprobs):
 # --- the call ---
 
 
-def _cut_call(kind: int, logits, target, *, temperature, top_k, top_p, min_p, tp_group,
+def _cut_call(kind: int, logits, target, *, temperature, top_k, top_p, min_p, group,
               vocab_start, vocab_size, ignore_index, with_entropy, validate, backend,
               uniforms=None, generator=None) -> Call:  # fmt: skip
-    """This rank's checks of a cut function's arguments, made collective: the Call with
-    its CutOptions (call.cut) and the temperature whose greedy rows read 1."""
-    group = distributed.resolve(tp_group)
+    """This rank's checks of a cut function's arguments (`group`: the resolved tp_group),
+    made collective: the Call with its CutOptions (call.cut) and the temperature whose
+    greedy rows read 1."""
 
     def build() -> Call:
         validation.check_logits(logits)
@@ -148,7 +148,7 @@ def sampling_mask(
     with distributed.serialized(group):
         call = _cut_call(
             agreement.KIND_SAMPLING_MASK, logits, target, temperature=temperature,
-            top_k=top_k, top_p=top_p, min_p=min_p, tp_group=tp_group, vocab_start=vocab_start,
+            top_k=top_k, top_p=top_p, min_p=min_p, group=group, vocab_start=vocab_start,
             vocab_size=vocab_size, ignore_index=-1, with_entropy=False, validate=validate,
             backend=backend,
         )  # fmt: skip
@@ -197,7 +197,7 @@ def processed_logprobs(
     with distributed.serialized(group):
         call = _cut_call(
             agreement.KIND_PROCESSED, logits, target, temperature=temperature, top_k=top_k,
-            top_p=top_p, min_p=min_p, tp_group=tp_group, vocab_start=vocab_start,
+            top_p=top_p, min_p=min_p, group=group, vocab_start=vocab_start,
             vocab_size=vocab_size, ignore_index=ignore_index, with_entropy=with_entropy,
             validate=validate, backend=backend,
         )  # fmt: skip
@@ -249,7 +249,7 @@ def sample(
     with distributed.serialized(group):
         call = _cut_call(
             agreement.KIND_SAMPLE, logits, target, temperature=temperature, top_k=top_k,
-            top_p=top_p, min_p=min_p, tp_group=tp_group, vocab_start=vocab_start,
+            top_p=top_p, min_p=min_p, group=group, vocab_start=vocab_start,
             vocab_size=vocab_size, ignore_index=-1, with_entropy=False, validate=validate,
             backend=backend, uniforms=uniforms, generator=generator,
         )  # fmt: skip

@@ -174,16 +174,14 @@ def _finish(shard: Shard, parts: list, t: torch.Tensor, keep_y: bool) -> Cut:
 
 def _nonfinite(shard: Shard, rows: slice, block: Block, y) -> torch.Tensor:
     """(nb,) int64: 1 where the row holds a NaN or +inf (after the temperature) in a real
-    column of this shard. A block cut from its chunk maxima holds none (the shortcut
-    applies only then); a block neither scanned nor cut (rows without a cut, outside
-    sample) is scanned here where the call reports such rows (sample, sampling_mask)."""
-    if block.bad is not None:
-        return block.bad.any(1).to(torch.int64)
-    if block.keep is not None or y is not None or bool(block.cut.any()):
-        return torch.zeros(rows.stop - rows.start, dtype=torch.int64, device=shard.x.device)
-    if shard.call.fields.kind == agreement.KIND_PROCESSED:  # finalize reports them
-        return torch.zeros(rows.stop - rows.start, dtype=torch.int64, device=shard.x.device)
-    _, _, bad = scan(shard, rows)
+    column of this shard. A scanned block knows (Block.bad), and a block cut from its
+    chunk maxima holds none (the shortcut applies only then); a block neither scanned nor
+    cut (rows without a cut, outside sample) is scanned here where the call reports such
+    rows (sample, sampling_mask: processed_logprobs' finalize reports them itself)."""
+    bad = block.bad
+    known = bad is not None or y is not None or bool(block.cut.any())
+    if not known and shard.call.fields.kind != agreement.KIND_PROCESSED:
+        _, _, bad = scan(shard, rows)
     if bad is None:
         return torch.zeros(rows.stop - rows.start, dtype=torch.int64, device=shard.x.device)
     return bad.any(1).to(torch.int64)
