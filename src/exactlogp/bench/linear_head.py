@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
@@ -34,7 +33,7 @@ import torch
 import exactlogp
 from exactlogp import linear
 from exactlogp.bench.cpu import isa_caps
-from exactlogp.report import measure
+from exactlogp.report import environment, measure
 from exactlogp.testing import grad_keep_bytes, lm_head_inputs
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -158,7 +157,7 @@ def main(argv=None) -> int:
         f"## Fused LM head, {shape} (CPU)",
         "",
         f"Command: `{command}`  ",
-        f"Machine: {_cpu()}, {os.cpu_count()} cores, torch {torch.__version__}, "
+        f"Machine: {environment.cpu_model()}, {os.cpu_count()} cores, torch {torch.__version__}, "
         f"{time.strftime('%Y-%m-%d %H:%M %Z')}{method}.",
         "",
         "| candidate | forward ms | fwd+bwd ms | forward / ours | fwd+bwd / ours "
@@ -196,15 +195,6 @@ def _row(name: str, r: dict, ours: dict) -> str:
         f"| {ratio('forward_backward')} | {mib('forward_mib')} | {mib('forward_backward_mib')} |"
     )
 
-
-def _cpu() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 if __name__ == "__main__":

@@ -15,10 +15,11 @@ from .candidates.base import package_version
 def describe_device(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    return f"cpu: {_cpu_model()}"
+    return f"cpu: {cpu_model()}"
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo), else what platform knows."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
