@@ -4,11 +4,12 @@ environment variable EXACTLOGP_PATCH is set (and does nothing else where it is n
 
 `install()` imports no host and not even torch or exactlogp: it checks the variables and
 puts a `sys.meta_path` finder in front of the import system. When a named host is first
-imported (`trl`, `verl`, `megatron.core`), the finder lets the host's module execute and
-then applies its patch (`exactlogp.integrations.autopatch.apply_host`); a patch that cannot
-be applied raises from that import, naming EXACTLOGP_PATCH. Hosts already imported are
-patched at once. vLLM and SGLang are left to their plugin entry points, which they call in
-each of their processes: `EXACTLOGP_PATCH=vllm` imports nothing here.
+imported (its trigger in the hosts table: `trl`, `verl`, `megatron.core`, `areal`), the
+finder lets the host's module execute and then applies its patch
+(`exactlogp.integrations.autopatch.apply_host`); a patch that cannot be applied raises
+from that import, naming EXACTLOGP_PATCH. Hosts already imported are patched at once.
+vLLM and SGLang are left to their plugin entry points, which they call in each of their
+processes: `EXACTLOGP_PATCH=vllm` imports nothing here.
 
 At start-up it never raises: an unknown host or a bad EXACTLOGP_VOCAB_SIZE is a warning
 naming the variable and its value, and nothing is patched.

@@ -30,6 +30,7 @@ TABLE = (
     Host("trl", "trl", "trl"),
     Host("verl", "verl", "verl"),
     Host("megatron", "megatron", "megatron.core"),
+    Host("areal", "areal", "areal"),
     Host("vllm", "vllm", None),
     Host("sglang", "sglang", None),
 )
