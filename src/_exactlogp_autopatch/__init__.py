@@ -4,8 +4,8 @@ environment variable EXACTLOGP_PATCH is set (and does nothing else where it is n
 
 `install()` imports no host and not even torch or exactlogp: it checks the variables and
 puts a `sys.meta_path` finder in front of the import system. When a named host is first
-imported (its trigger in the hosts table: `trl`, `verl`, `megatron.core`, `areal`), the
-finder lets the host's module execute and then applies its patch
+imported (its trigger in the hosts table: `trl`, `verl`, `megatron.core`, `areal`,
+`openrlhf`), the finder lets the host's module execute and then applies its patch
 (`exactlogp.integrations.autopatch.apply_host`); a patch that cannot be applied raises
 from that import, naming EXACTLOGP_PATCH. Hosts already imported are patched at once.
 vLLM and SGLang are left to their plugin entry points, which they call in each of their

@@ -31,6 +31,7 @@ TABLE = (
     Host("verl", "verl", "verl"),
     Host("megatron", "megatron", "megatron.core"),
     Host("areal", "areal", "areal"),
+    Host("openrlhf", "openrlhf", "openrlhf"),
     Host("vllm", "vllm", None),
     Host("sglang", "sglang", None),
 )

@@ -8,6 +8,8 @@ output dtypes, and a reversible `patch_<host>()` per host.
   `selective_log_softmax`; `patch_megatron()`.
 - `areal`: AReaL's `gather_logprobs` / `gather_logprobs_entropy` (every engine);
   `patch_areal()`.
+- `openrlhf`: OpenRLHF's `log_probs_from_logits` and `compute_entropy` (the actor);
+  `patch_openrlhf()`.
 - `vllm`: the rollout's logprobs (V2 model runner, V1 sampler); `patch_vllm_sampler()` and
   the `vllm.general_plugins` entry point.
 - `sglang`: the sampler's sampled-token logprobs, opt-in its exact cut and draw

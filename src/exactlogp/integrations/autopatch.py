@@ -4,7 +4,7 @@ A `patch_*()` call changes the process that makes it. vLLM samples in its engine
 worker processes, verl and slime train in Ray actors, so a patch in the driver changes
 nothing where it matters. The environment variable EXACTLOGP_PATCH carries the request
 into every process: a comma-separated list of hosts among trl, verl, megatron, areal,
-vllm, sglang (EXACTLOGP_VOCAB_SIZE, if set, is passed to megatron, verl and areal
+openrlhf, vllm, sglang (EXACTLOGP_VOCAB_SIZE, if set, is passed to megatron, verl and areal
 as `vocab_size`).
 
 - vLLM / SGLang call exactlogp's plugin entry points in each of their processes
@@ -15,7 +15,7 @@ as `vocab_size`).
 - Any Python process (TRL, torchrun ranks, Ray actors): nothing to do where exactlogp is
   installed in site-packages. Its `exactlogp-autopatch.pth` runs a start-up hook in every
   interpreter (`_exactlogp_autopatch`): with EXACTLOGP_PATCH set it patches trl, verl,
-  megatron (at `megatron.core`) and areal right after each is first imported. Where the .pth is not
+  megatron (at `megatron.core`), areal and openrlhf right after each is first imported. Where the .pth is not
   processed (`python -S`, exactlogp only on PYTHONPATH), call `apply_from_env()` at
   start-up, or put it in a `sitecustomize.py`.
 
