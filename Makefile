@@ -14,10 +14,15 @@ STAMP := $(VENV)/.exactlogp-setup
 # tests' subprocesses put on their path: vLLM's wheels pin a CUDA torch (so --no-deps, plus
 # exactly the modules its sampler and logprob code import, found by importing them), and
 # TRL imports vLLM whenever vLLM is importable, which would break TRL here. One directory
-# per version: the V2 model runner of $(VLLM_V2), the V1 sampler of $(VLLM_V1).
+# per version: the V2 model runner of $(VLLM_V2), the V1 sampler of $(VLLM_V1). AReaL and
+# OpenRLHF pin torch and dozens of packages (ray, deepspeed, flash-attn, ...): each goes in
+# with --no-deps, and its test's subprocess stubs the few imports it names (both are for
+# CPython 3.11 and 3.12 only: AReaL's Requires-Python, OpenRLHF's wheel tags).
 HOSTS := $(VENV)/hosts
 VLLM_V2 := 0.34.0
 VLLM_V1 := 0.33.0
+AREAL := 1.0.4
+OPENRLHF := 0.11.2
 VLLM_IMPORTS := msgspec==0.23.0 pyzmq==27.3.0 pybase64==1.5.1 cachetools==8.0.2 uvloop==0.23.0 \
 	py-cpuinfo==9.0.0
 VLLM_V1_IMPORTS := cbor2==6.3.0 openai-harmony==0.0.8 openai==3.63.0 httpx2==2.17.0 \
@@ -45,10 +50,13 @@ $(STAMP): pyproject.toml setup.py Makefile
 	@touch $(STAMP)
 
 $(HOSTS_STAMP): $(STAMP)
-	rm -rf $(HOSTS)/vllm-$(VLLM_V2) $(HOSTS)/vllm-$(VLLM_V1) $(HOSTS)/skyrl-$(SKYRL)
+	rm -rf $(HOSTS)/vllm-$(VLLM_V2) $(HOSTS)/vllm-$(VLLM_V1) $(HOSTS)/skyrl-$(SKYRL) \
+		$(HOSTS)/areal-$(AREAL) $(HOSTS)/openrlhf-$(OPENRLHF)
 	$(TARGET_INSTALL) $(HOSTS)/vllm-$(VLLM_V2) vllm==$(VLLM_V2) $(VLLM_IMPORTS)
 	$(TARGET_INSTALL) $(HOSTS)/vllm-$(VLLM_V1) vllm==$(VLLM_V1) $(VLLM_IMPORTS) $(VLLM_V1_IMPORTS)
 	$(TARGET_INSTALL) $(HOSTS)/skyrl-$(SKYRL) skyrl==$(SKYRL) $(SKYRL_IMPORTS)
+	$(TARGET_INSTALL) $(HOSTS)/areal-$(AREAL) areal==$(AREAL)
+	$(TARGET_INSTALL) $(HOSTS)/openrlhf-$(OPENRLHF) openrlhf==$(OPENRLHF)
 	@touch $(HOSTS_STAMP)
 
 # EXACTLOGP_REAL_HOSTS=required: a test of a real host that `make setup` installed fails,

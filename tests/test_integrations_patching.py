@@ -259,3 +259,43 @@ def test_unknown_host_is_named_with_the_known_ones(env, monkeypatch):
     ):
         autopatch.apply_from_env()
     assert _patching.active(trl.PATCH_KEY) is None
+
+
+# --- a host whose functions take other arguments is refused before anything changes ---
+
+
+def _host_module(monkeypatch, fn):
+    module = types.ModuleType("signature_host.utils")
+    module.f = fn
+    monkeypatch.setitem(sys.modules, "signature_host", types.ModuleType("signature_host"))
+    monkeypatch.setitem(sys.modules, "signature_host.utils", module)
+    return module
+
+
+def _drop_in(logits, labels, temperature=1.0, *, vocab_size=None):
+    """A drop-in: the host's arguments, then exactlogp's keyword-only options."""
+
+
+def test_check_signatures_accepts_the_hosts_arguments(monkeypatch):
+    _host_module(monkeypatch, lambda logits, labels, temperature=1.0: None)
+    _patching.check_signatures("patch_x", "signature_host", "signature_host.utils",
+                               {"f": _drop_in, "missing": _drop_in}, "Host 1.0")  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("theirs", "found"),
+    [(lambda logits, labels, temperature=2.0: None, "logits, labels, temperature=2.0"),
+     (lambda logits, labels: None, "logits, labels"),
+     (lambda logits, labels, temperature=1.0, *, dim=-1: None,
+      "logits, labels, temperature=1.0, *, dim=-1")],
+)  # fmt: skip
+def test_check_signatures_names_the_version_and_both_signatures(monkeypatch, theirs, found):
+    _host_module(monkeypatch, theirs)
+    with pytest.raises(RuntimeError) as exc:
+        _patching.check_signatures(
+            "patch_x", "signature_host", "signature_host.utils", {"f": _drop_in}, "Host 1.0"
+        )
+    assert str(exc.value) == (
+        f"patch_x: signature_host of unknown version's signature_host.utils.f takes ({found}); "
+        "exactlogp knows (logits, labels, temperature=1.0) of Host 1.0, so nothing was patched"
+    )

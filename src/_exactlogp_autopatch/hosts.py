@@ -33,6 +33,8 @@ TABLE = (
     Host("slime", "slime", "slime"),
     Host("nemo_rl", "nemo_rl", "nemo_rl"),
     Host("skyrl", "skyrl", "skyrl"),
+    Host("areal", "areal", "areal"),
+    Host("openrlhf", "openrlhf", "openrlhf"),
     Host("vllm", "vllm", None),
     Host("sglang", "sglang", None),
 )

@@ -13,6 +13,10 @@ output dtypes, and a reversible `patch_<host>()` per host.
   entries (also with top-k / top-p: the exact cut); `patch_nemo_rl()`.
 - `skyrl`: SkyRL 0.3.0's FSDP `logprobs_from_logits` / `chunked_entropy_from_logits` and its
   Megatron `from_parallel_logits_to_logprobs` (NeMo-RL's convention); `patch_skyrl()`.
+- `areal`: AReaL's `gather_logprobs` / `gather_logprobs_entropy` (every engine);
+  `patch_areal()`.
+- `openrlhf`: OpenRLHF's `log_probs_from_logits` and `compute_entropy` (the actor);
+  `patch_openrlhf()`.
 - `vllm`: the rollout's logprobs (V2 model runner, V1 sampler); `patch_vllm_sampler()` and
   the `vllm.general_plugins` entry point.
 - `sglang`: the sampler's sampled-token logprobs, opt-in its exact cut and draw

@@ -349,3 +349,44 @@ def check_signature(owner, name: str, expected: tuple[str, ...], patch: str, hos
             "version this adapter follows does; its convention is not known here, so "
             "nothing was patched"
         )
+
+
+def check_signatures(patch: str, package: str, module: str, ours: dict, known: str) -> None:
+    """Refuse a host whose functions `module.<name>` take other arguments (names, kinds,
+    order, defaults) than the drop-ins `ours` {name: function} have: a RuntimeError naming
+    the host's version and `known` (the version the drop-ins follow), raised before
+    anything is patched. The drop-ins' keyword-only arguments (exactlogp's own options)
+    are theirs alone; a name the host lacks is left to `apply` (AttributeError). Nothing
+    is checked while `patch` is live (its own functions are in place)."""
+    if active(patch) is not None:
+        return
+    try:
+        host = importlib.import_module(module)
+    except ImportError as exc:
+        raise ImportError(f"{patch}: cannot import {module} ({exc}); nothing was patched") from exc
+    for name, fn in ours.items():
+        theirs = host.__dict__.get(name)
+        if theirs is None:
+            continue
+        expected, found = _parameters(fn, own_options=True), _parameters(theirs)
+        if found != expected:
+            version = host_version(package, patch)
+            raise RuntimeError(
+                f"{patch}: {package} {version}'s {module}.{name} takes ({found}); exactlogp "
+                f"knows ({expected}) of {known}, so nothing was patched"
+            )
+
+
+def _parameters(fn, own_options: bool = False) -> str:
+    """`fn`'s parameters as its signature writes them (without the keyword-only ones
+    when `own_options`); "?" where Python cannot tell."""
+    import inspect
+
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return "?"
+    if own_options:
+        parameters = [p for p in parameters if p.kind is not inspect.Parameter.KEYWORD_ONLY]
+    bare = [p.replace(annotation=inspect.Parameter.empty) for p in parameters]
+    return str(inspect.Signature(bare))[1:-1]  # "(a, b=1, *, c)" without its parentheses

@@ -4,7 +4,8 @@ A `patch_*()` call changes the process that makes it. vLLM samples in its engine
 worker processes, verl and slime train in Ray actors, so a patch in the driver changes
 nothing where it matters. The environment variable EXACTLOGP_PATCH carries the request
 into every process: a comma-separated list of the hosts of the table
-(`_exactlogp_autopatch/hosts.py`: trl, verl, megatron, slime, nemo_rl, skyrl, vllm, sglang;
+(`_exactlogp_autopatch/hosts.py`: trl, verl, megatron, slime, nemo_rl, skyrl, areal, openrlhf,
+vllm, sglang;
 EXACTLOGP_VOCAB_SIZE, if set, is passed to the adapters that take a `vocab_size`).
 
 - vLLM / SGLang call exactlogp's plugin entry points in each of their processes
