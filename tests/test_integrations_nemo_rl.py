@@ -234,7 +234,9 @@ def test_patch_refuses_another_convention(host, monkeypatch):
         raise AssertionError("not to be called")
 
     monkeypatch.setattr(host.mu, "from_parallel_logits_to_logprobs", moved)
-    with pytest.raises(RuntimeError, match=r"NeMo-RL 0\.6\.0.*nothing was patched"):
+    with pytest.raises(RuntimeError, match=r"nemo_rl 0\.6\.0's .*from_parallel_logits_to_"
+                                           r"logprobs takes .*temperature\).*nothing was "
+                                           r"patched"):  # fmt: skip
         ours.patch_nemo_rl()
     assert (
         host.mu.from_parallel_logits_to_logprobs is moved

@@ -196,6 +196,5 @@ def _row(name: str, r: dict, ours: dict) -> str:
     )
 
 
-
 if __name__ == "__main__":
     sys.exit(main())

@@ -325,39 +325,15 @@ def host_version(package: str, patch: str) -> str:
     return str(version)
 
 
-def check_signature(owner, name: str, expected: tuple[str, ...], patch: str, host: str) -> None:
-    """Refuse a host version whose `owner.name` -- a function, or an autograd Function
-    whose `forward` is read -- does not take the parameters `expected`, in that order:
-    its convention is not the one the drop-in reproduces. `host` names the host and its
-    version for the message (AttributeError when the name is missing, RuntimeError when
-    it differs); nothing is patched then."""
-    import inspect
-
-    obj = owner.__dict__.get(name)
-    if obj is None:
-        raise AttributeError(
-            f"{patch}: {owner.__name__}.{name} does not exist in {host}; nothing was patched"
-        )
-    fn = getattr(obj, "forward", None) if isinstance(obj, type) else obj
-    try:
-        got = tuple(inspect.signature(fn).parameters)
-    except (TypeError, ValueError):
-        got = None
-    if got != expected:
-        raise RuntimeError(
-            f"{patch}: {owner.__name__}.{name} of {host} takes {got}, not {expected} as the "
-            "version this adapter follows does; its convention is not known here, so "
-            "nothing was patched"
-        )
-
-
 def check_signatures(patch: str, package: str, module: str, ours: dict, known: str) -> None:
-    """Refuse a host whose functions `module.<name>` take other arguments (names, kinds,
-    order, defaults) than the drop-ins `ours` {name: function} have: a RuntimeError naming
-    the host's version and `known` (the version the drop-ins follow), raised before
-    anything is patched. The drop-ins' keyword-only arguments (exactlogp's own options)
-    are theirs alone; a name the host lacks is left to `apply` (AttributeError). Nothing
-    is checked while `patch` is live (its own functions are in place)."""
+    """Refuse a host whose functions `module.<name>` take other arguments than the drop-ins
+    `ours` {name: the drop-in function, or the tuple of the host's parameter names (of a
+    function, or of an autograd Function's `forward`)}: a RuntimeError naming the host's
+    version and `known` (the version the drop-ins follow), raised before anything is
+    patched. Against a drop-in, the whole signature is compared (names, kinds, order,
+    defaults; its keyword-only arguments, exactlogp's own options, are its alone);
+    against a tuple, the names in order. A name the host lacks is left to `apply` (AttributeError). Nothing is
+    checked while `patch` is live (its own functions are in place)."""
     if active(patch) is not None:
         return
     try:
@@ -368,13 +344,26 @@ def check_signatures(patch: str, package: str, module: str, ours: dict, known: s
         theirs = host.__dict__.get(name)
         if theirs is None:
             continue
-        expected, found = _parameters(fn, own_options=True), _parameters(theirs)
+        if isinstance(fn, tuple):  # the names in order (of a Function: its forward's)
+            forward = getattr(theirs, "forward", theirs)
+            expected, found = ", ".join(fn), ", ".join(_names(forward))
+        else:
+            expected, found = _parameters(fn, own_options=True), _parameters(theirs)
         if found != expected:
             version = host_version(package, patch)
             raise RuntimeError(
                 f"{patch}: {package} {version}'s {module}.{name} takes ({found}); exactlogp "
                 f"knows ({expected}) of {known}, so nothing was patched"
             )
+
+
+def _names(fn) -> tuple[str, ...]:
+    import inspect
+
+    try:
+        return tuple(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return ("?",)
 
 
 def _parameters(fn, own_options: bool = False) -> str:

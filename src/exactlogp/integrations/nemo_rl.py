@@ -57,6 +57,7 @@ DISTRIBUTED = {
     "DistributedLogprob": ("ctx", *_RANGE, "group", "inference_only"),
     "ChunkedDistributedLogprob": ("ctx", *_RANGE, "chunk_size", "tp_group", "inference_only"),
 }
+KNOWN = "NeMo-RL at NVIDIA-NeMo/RL@7ea279abfbeb (0.6.0)"
 SIGNATURES = {
     "from_parallel_logits_to_logprobs": (*SHIFTED, "sampling_params"),
     **DISTRIBUTED,
@@ -379,11 +380,7 @@ def patch_nemo_rl(*, vocab_size: int | None = None) -> _patching.PatchHandle:
     left out). Opt-in and idempotent; undo with `unpatch_nemo_rl()` or `handle.undo()`.
     """
     vocab_size = _rows.check_vocab_size(vocab_size)
-    if _patching.active(PATCH_KEY) is None:
-        version = _patching.host_version("nemo_rl", PATCH_KEY)
-        module = _host_module(MODEL_UTILS, PATCH_KEY)
-        for name, params in SIGNATURES.items():
-            _patching.check_signature(module, name, params, PATCH_KEY, f"NeMo-RL {version}")
+    _patching.check_signatures(PATCH_KEY, "nemo_rl", MODEL_UTILS, SIGNATURES, KNOWN)
     objects = drop_ins(from_parallel_logits_to_logprobs, SIGNATURES, vocab_size)
     sites = [
         _patching.Site(MODEL_UTILS, name, obj, everywhere=True) for name, obj in objects.items()
@@ -409,12 +406,3 @@ def patch_from_env(vocab_size: int | None = None) -> _patching.PatchHandle:
 def unpatch_nemo_rl() -> bool:
     """Restore NeMo-RL's own functions; False if `patch_nemo_rl` was not applied."""
     return _patching.undo(PATCH_KEY)
-
-
-def _host_module(name: str, patch: str):
-    import importlib
-
-    try:
-        return importlib.import_module(name)
-    except ImportError as exc:
-        raise ImportError(f"{patch}: cannot import {name} ({exc}); nothing was patched") from exc

@@ -50,6 +50,7 @@ _MODEL_WRAPPER = "skyrl.backends.skyrl_train.workers.model_wrapper"
 MEGATRON_UTILS = "skyrl.backends.skyrl_train.distributed.megatron.model_utils"
 
 # The parameters of the host functions replaced, as SkyRL 0.3.0 has them.
+KNOWN = "SkyRL 0.3.0"
 FSDP_SIGNATURES = {
     "logprobs_from_logits": ("logits", "labels", "inplace_backward"),
     "chunked_entropy_from_logits": ("logits", "requires_grad", "attention_mask", "chunk_size"),
@@ -190,21 +191,12 @@ def _check_versions() -> None:
     """SkyRL's functions must take the parameters of the version followed here."""
     import importlib
 
-    host = f"SkyRL {_patching.host_version('skyrl', PATCH_KEY)}"
+    _patching.check_signatures(PATCH_KEY, "skyrl", TORCH_UTILS, FSDP_SIGNATURES, KNOWN)
     try:
-        torch_utils = importlib.import_module(TORCH_UTILS)
-    except ImportError as exc:
-        raise ImportError(
-            f"{PATCH_KEY}: cannot import {TORCH_UTILS} ({exc}); nothing was patched"
-        ) from exc
-    for name, params in FSDP_SIGNATURES.items():
-        _patching.check_signature(torch_utils, name, params, PATCH_KEY, host)
-    try:
-        megatron = importlib.import_module(MEGATRON_UTILS)
+        importlib.import_module(MEGATRON_UTILS)
     except ImportError:
         return  # its sites are optional: skipped, and named in handle.skipped
-    for name, params in MEGATRON_SIGNATURES.items():
-        _patching.check_signature(megatron, name, params, PATCH_KEY, host)
+    _patching.check_signatures(PATCH_KEY, "skyrl", MEGATRON_UTILS, MEGATRON_SIGNATURES, KNOWN)
 
 
 def patch_from_env(vocab_size: int | None = None) -> _patching.PatchHandle:
