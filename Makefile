@@ -60,9 +60,12 @@ $(HOSTS_STAMP): $(STAMP)
 	@touch $(HOSTS_STAMP)
 
 # EXACTLOGP_REAL_HOSTS=required: a test of a real host that `make setup` installed fails,
-# rather than skips, when the host is missing
+# rather than skips, when the host is missing. Two workers, each taking whole files (their
+# module fixtures -- gloo worlds, host subprocesses -- stay with their tests):
+# TEST_WORKERS=0 runs them in this process, one after the other.
+TEST_WORKERS ?= 2
 test: setup
-	EXACTLOGP_REAL_HOSTS=required $(PY) -m pytest -q
+	EXACTLOGP_REAL_HOSTS=required $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 lint: setup
 	$(VENV)/bin/ruff check src tests examples benchmarks
