@@ -20,18 +20,19 @@ SCRIPTS = Path(__file__).parent / "real_hosts"
 SRC = Path(exactlogp.__file__).resolve().parents[1]
 
 
-def start(script: str, host: str, tmp: Path):
+def start(script: str, host: str, tmp: Path, drop: tuple[str, ...] = (), **extra: str):
     """Start `script` with HOSTS/`host` first on its path; (process, output path), or
     (None, the reason it cannot run). TORCHDYNAMO_DISABLE=1: the hosts' `torch.compile`d
-    functions run eagerly (compiling C++ on a CPU takes many seconds)."""
+    functions run eagerly (compiling C++ on a CPU takes many seconds). `drop`: more
+    variables to leave out of its environment than EXACTLOGP_PATCH; `extra`: more to set."""
     directory = HOSTS / host
     if not directory.is_dir():
         return None, f"{host} is not installed in {directory} (run `make setup`)"
     out = tmp / f"{script}.pt"
-    env = {k: v for k, v in os.environ.items() if k != "EXACTLOGP_PATCH"}
+    env = {k: v for k, v in os.environ.items() if k not in ("EXACTLOGP_PATCH", *drop)}
     env.update(
         CUDA_VISIBLE_DEVICES="", TORCHDYNAMO_DISABLE="1",
-        PYTHONPATH=os.pathsep.join([str(directory), str(SRC)]),
+        PYTHONPATH=os.pathsep.join([str(directory), str(SRC)]), **extra,
     )  # fmt: skip
     cmd = [sys.executable, str(SCRIPTS / f"{script}.py"), str(out)]
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT), out

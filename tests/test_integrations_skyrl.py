@@ -10,25 +10,19 @@ compare those outputs with the fp64 truth (SkyRL's) and with exactlogp called di
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 import types
-from pathlib import Path
 
 import pytest
 import torch
 
-import exactlogp
 from exactlogp import selected_logprobs
 from exactlogp.integrations import nemo_rl
 from exactlogp.integrations import skyrl as ours
 from exactlogp.testing import fp64_reference, llm_like_logits, ulp32
+from real_host_runs import finish, start
 
 VERSION = "0.3.0"  # the Makefile's SKYRL
-HOST = Path(sys.prefix) / "hosts" / f"skyrl-{VERSION}"
-SCRIPT = Path(__file__).parent / "real_hosts" / "skyrl_run.py"
-SRC = Path(exactlogp.__file__).resolve().parents[1]
 VOCAB = 509
 HOST_TOL = 2e-5  # SkyRL's fp32 logsumexp / log_softmax of logits up to ~30
 
@@ -124,18 +118,8 @@ def test_patch_without_skyrl_names_it(monkeypatch):
 
 @pytest.fixture(scope="module")
 def real(tmp_path_factory):
-    if not HOST.is_dir():
-        reason = f"SkyRL {VERSION} is not installed in {HOST} (run `make setup`)"
-        if os.environ.get("EXACTLOGP_REAL_HOSTS") == "required":
-            pytest.fail(reason)
-        pytest.skip(reason)
-    out = tmp_path_factory.mktemp("skyrl_real") / "skyrl.pt"
-    env = {k: v for k, v in os.environ.items() if k != "EXACTLOGP_PATCH"}
-    env.update(CUDA_VISIBLE_DEVICES="", PYTHONPATH=os.pathsep.join([str(HOST), str(SRC)]))
-    proc = subprocess.run([sys.executable, str(SCRIPT), str(out)], env=env, timeout=300,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
-    assert proc.returncode == 0, proc.stdout.decode(errors="replace")
-    return torch.load(out, weights_only=True)
+    started = start("skyrl_run", f"skyrl-{VERSION}", tmp_path_factory.mktemp("skyrl_real"))
+    return finish(started)
 
 
 def _truth(logits, labels):

@@ -12,9 +12,6 @@ the same time.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,46 +20,18 @@ import torch
 import exactlogp
 from exactlogp import selected_logprobs
 from exactlogp.integrations import vllm as ours
+from real_host_runs import finish, start
 
-HOSTS = Path(sys.prefix) / "hosts"  # the Makefile's $(HOSTS)
 V2_VERSION, V1_VERSION = "0.34.0", "0.33.0"  # its VLLM_V2 and VLLM_V1
-SCRIPTS = Path(__file__).parent / "real_hosts"
-SRC = Path(exactlogp.__file__).resolve().parents[1]
 PLAIN = ("plain/raw_logprobs", "plain/processed_logprobs")
 CASES = (*PLAIN, "edited/processed_logprobs")  # edited: logit bias, penalties, bad words
 MANY = "many/raw_logprobs"  # more top logprobs than ours.EXACT_COLUMNS
 
 
 def _start(script: str, version: str, tmp: Path):
-    """Start one subprocess; returns (process, output path) or the reason it cannot run."""
-    host = HOSTS / f"vllm-{version}"
-    if not host.is_dir():
-        return None, f"vLLM {version} is not installed in {host} (run `make setup`)"
-    out = tmp / f"{script}.pt"
-    env = {k: v for k, v in os.environ.items() if k not in ("EXACTLOGP_PATCH", "VLLM_PLUGINS")}
-    env.update(
-        CUDA_VISIBLE_DEVICES="", TRITON_INTERPRET="1", TORCHDYNAMO_DISABLE="1",
-        PYTHONPATH=os.pathsep.join([str(host), str(SRC)]),
-    )  # fmt: skip
-    cmd = [sys.executable, str(SCRIPTS / f"{script}.py"), str(out)]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    return proc, out
-
-
-def _finish(started):
-    proc, out = started
-    if proc is None:
-        if os.environ.get("EXACTLOGP_REAL_HOSTS") == "required":
-            pytest.fail(out)
-        pytest.skip(out)
-    try:
-        log, _ = proc.communicate(timeout=600)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        log, _ = proc.communicate()
-        pytest.fail(f"the vLLM subprocess ran past 600 s:\n{log.decode(errors='replace')}")
-    assert proc.returncode == 0, log.decode(errors="replace")
-    return torch.load(out, weights_only=True)
+    """One vLLM subprocess, under Triton's interpreter (vLLM's triton_utils needs a driver
+    or the interpreter) and without a VLLM_PLUGINS of the caller's."""
+    return start(script, f"vllm-{version}", tmp, drop=("VLLM_PLUGINS",), TRITON_INTERPRET="1")
 
 
 @pytest.fixture(scope="module")
@@ -79,12 +48,12 @@ def _started(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def v2(_started):
-    return _finish(_started["v2"])
+    return finish(_started["v2"], timeout=600)
 
 
 @pytest.fixture(scope="module")
 def v1(_started):
-    return _finish(_started["v1"])
+    return finish(_started["v1"], timeout=600)
 
 
 def _exact_columns(logits, ids):
