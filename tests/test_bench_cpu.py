@@ -51,14 +51,20 @@ def test_the_recorded_command_names_the_instruction_set_caps(monkeypatch):
 
 
 def test_the_benchmark_modules_run_at_tiny_sizes(tmp_path, capsys):
-    """Two of the benchmarks that moved into exactlogp.bench, in this process, on tiny
+    """Some of the benchmarks that moved into exactlogp.bench, in this process, on tiny
     shapes: what is checked is that they run and write their tables, not their figures
     (the others spawn processes or compile, too slow for every test run)."""
-    from exactlogp.bench import cpu_value_tables, linear_accuracy, row_hash
+    from exactlogp.bench import cpu_value_tables, linear_accuracy, linear_cost, row_hash
 
-    assert linear_accuracy.main(["--rows", "3", "--vocab", "50", "--hidden", "8",
+    assert linear_accuracy.main(["--rows", "3", "--vocab", "50", "--hidden", "64",
                                  "--out", str(tmp_path)]) == 0  # fmt: skip
-    assert "| 8 | exactlogp |" in (tmp_path / "linear_accuracy.md").read_text()
+    text = (tmp_path / "linear_accuracy.md").read_text()
+    assert (
+        "| bf16, 1000x | exactlogp |" in text and "| fp32, 8x (H/64 channels) | exactlogp |" in text
+    )
+    assert linear_cost.main(["--rows", "3", "--vocab", "40", "--hidden", "64", "--repeats",
+                             "1", "--out", str(tmp_path)]) == 0  # fmt: skip
+    assert "| bf16, two channels 100x |" in (tmp_path / "linear_cost.md").read_text()
     cpu_value_tables.main(["--vocab", "300", "--repeats", "1"])
     assert "| bfloat16 | 300 |" in capsys.readouterr().out
     row_hash.main(["--tokens", "4", "--hidden", "8", "--vocab", "16", "--repeats", "1"])

@@ -123,7 +123,7 @@ def test_golden_vectors(key, backend):
     assert (sha256(*out), sha256(x.grad)) == GOLDEN[key]
 
 
-# --- contract exactlogp-linear-v1: the exact LM head ---
+# --- contract exactlogp-linear-v2: the exact LM head (these inputs: on L2's grid, v1's bits) ---
 #
 # H = 1 holds -0 hidden states and -0 weights, so that single products are -0 and exact
 # zero dot products arise: the contract's logit of an exact 0 is +0 on every backend and

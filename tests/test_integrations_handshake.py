@@ -32,6 +32,17 @@ def test_stamped_batch_is_accepted_and_others_are_refused(monkeypatch):
         handshake.check_fingerprint(meta)
 
 
+def test_a_rollout_stamped_with_linear_v1_is_refused_with_what_changed():
+    assert exactlogp.LOGITS_CONTRACT == "exactlogp-linear-v2"
+    v1 = {handshake.FINGERPRINT_KEY: f"{exactlogp.CONTRACT}+logits:exactlogp-linear-v1"}
+    with pytest.raises(ValueError) as err:
+        handshake.check_fingerprint(v1)
+    text = str(err.value)
+    assert "'exactlogp-v2+logits:exactlogp-linear-v1'" in text
+    assert "exactlogp-linear-v2" in text and "20-bit grid" in text and "outlier" in text
+    assert "recompute the rollout" in text
+
+
 def test_unknown_host_in_the_environment_is_refused(monkeypatch):
     monkeypatch.setenv(autopatch.ENV, "megatron, torchtune")
     with pytest.raises(ValueError, match=r"unknown hosts \['torchtune'\]"):

@@ -121,6 +121,19 @@ def test_fused_head_gives_the_reference_bits_forward_and_backward(gemm, keep_byt
         assert_bitwise_equal(a, b)
 
 
+@pytest.mark.parametrize("gemm", ["int8", "fp64", "int8_mm", "int8_fused"])
+@pytest.mark.parametrize("dtype,outlier", [(torch.bfloat16, 1000.0), (torch.float32, 8.0)])
+def test_every_route_gives_contract_v2s_logits(gemm, dtype, outlier):
+    """Contract exactlogp-linear-v2 on each exact-GEMM route: bf16 rows with two channels
+    1000x the rest, and fp32 inputs -- where v1's 20-bit grid was not exact -- against the
+    Python-integer definition."""
+    from exactlogp.testing import exact_logits
+
+    h, w, _ = lm_head_inputs(5, 96, 33, dtype, seed=8, outlier=outlier, outlier_channels=2)
+    z = exactlogp.linear_logits(h.to(DEVICE), w.to(DEVICE), backend=TritonBackend(exact_gemm=gemm))
+    assert_bitwise_equal(z.cpu(), exact_logits(h, w))
+
+
 # --- the fused route: quantise-and-slice in one pass, L3-L5 in one kernel ---
 
 
@@ -241,23 +254,33 @@ def test_head_logits_epilogue_gives_the_max_pass_row_max(tau):
             assert torch.isposinf(y).any() and torch.isfinite(got).any(), got
 
 
-def test_the_fused_route_reads_its_row_max_from_the_epilogue(monkeypatch):
-    """On the fused route the forward launches no max pass (the epilogue's row max feeds
-    the partials pass), and its outputs are still the reference's bits."""
+@pytest.mark.parametrize("on_grid", [True, False])
+def test_the_fused_route_reads_its_row_max_from_the_epilogue(monkeypatch, on_grid):
+    """On the fused route the forward launches no max pass where every element is on L2's
+    grid (the epilogue's row max feeds the partials pass); where a residual takes part,
+    the route runs contract v2's correction and the max pass. Its outputs are the
+    reference's bits either way."""
     launched = []
     real = launch.row_max
     monkeypatch.setattr(launch, "row_max", lambda *a, **k: launched.append(1) or real(*a, **k))
     h, w, t = lm_head_inputs(9, 40, 90, torch.bfloat16, seed=5)
+    if on_grid:  # multiples of 2^-6 (2^-8) below 4 (2): every element on its row's grid
+        h, w = ((x.float() * s).round().clamp(-250, 250) / s for x, s in ((h, 64), (w, 256)))
+        h, w = h.to(torch.bfloat16), w.to(torch.bfloat16)
+    else:  # an outlier channel: row 1's small elements fall off its grid
+        h[1, 3] = 600.0
+    assert (lc.hidden_rows(h).res is None) == on_grid
     t.clamp_(max=84)
     triton = TritonBackend(exact_gemm="int8_fused")
     got = exactlogp.linear_selected_logprobs(h.to(DEVICE), w.to(DEVICE), t.to(DEVICE),
                                              temperature=0.8, with_entropy=True,
                                              vocab_size=85, backend=triton)  # fmt: skip
-    assert launched == []
+    assert launched == ([] if on_grid else [1])
     want = exactlogp.linear_selected_logprobs(h, w, t, temperature=0.8, with_entropy=True,
                                               vocab_size=85, backend="reference")  # fmt: skip
     for a, b in zip(got, want, strict=True):
         assert_bitwise_equal(a.cpu(), b)
+    launched.clear()
     exactlogp.linear_selected_logprobs(h, w, t, temperature=0.8, vocab_size=85,
                                        backend=TritonBackend(exact_gemm="fp64"))  # fmt: skip
     assert launched == [1]  # the other routes keep their max pass

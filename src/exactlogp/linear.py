@@ -1,7 +1,7 @@
 """The exact fused LM head: hidden states and LM-head weights to logprobs, entropy and lse.
 
     linear_logits(hidden, weight, bias, logit_scale=s)          the logits of contract
-                                                                exactlogp-linear-v1, fp32
+                                                                exactlogp-linear-v2, fp32
     linear_selected_logprobs(hidden, weight, target, bias=b, logit_scale=s, **kw)
         == selected_logprobs(linear_logits(hidden, weight, b, logit_scale=s), target, **kw)
         bitwise, for every output, without an [N, V] logits tensor
@@ -95,48 +95,53 @@ class _Weight:
         for v0 in range(0, self.weight.shape[0], size):
             yield slice(v0, min(v0 + size, self.weight.shape[0]))
 
-    def quantized(self, rows: slice) -> torch.Tensor:
-        """(P, H) fp64: the integers of these weight rows."""
-        return lc.quantize(self.weight[rows], self.f[rows], self.finite[rows])
+    def quantized(self, rows: slice) -> lc.WeightRows:
+        """These weight rows' integers (P, H) fp64 and residuals (linear_contract L2)."""
+        return lc.weight_rows(self.weight[rows], self.f[rows], self.finite[rows])
 
     def blocks(self, size: int | None = None):
-        """(slice, quantized rows (P, H) fp64) over the shard's rows."""
+        """(slice, WeightRows) over the shard's rows."""
         for rows in self.slices(size or self.block):
             yield rows, self.quantized(rows)
 
-    def hidden(self, hidden):
-        """(integers, row scales 2^(e - 2 QBITS) or NaN) of hidden rows: fp64 (R, H), or the
-        (R, 3H) int8 diagonal layout on a fused head."""
-        e, finite = lc.row_exponents(hidden)
+    def hidden(self, hidden) -> lc.HiddenRows:
+        """The hidden rows' integers -- fp64 (R, H), or the (R, 3H) int8 diagonal layout on
+        a fused head -- row scales 2^(e - 2 QBITS) (NaN marks a non-finite row) and
+        residuals."""
+        a3 = None
         if self.fused:
-            a = self.backend.head_slices(hidden, e, finite, reverse=True)
-        else:
-            a = lc.quantize(hidden, e, finite)
-        return a, lc.unit_scales(e - 2 * lc.QBITS, finite)
+            e, finite = lc.row_exponents(hidden)
+            a3 = self.backend.head_slices(hidden, e, finite, reverse=True)
+        return lc.hidden_rows(hidden, a3)
 
-    def logits(self, a, row_scale, rows: slice, c=None, out=None, max_of=None):
-        """(R, P) fp32 logits of weight rows `rows` (their integers c; a fused head reads
-        its own layout; with max_of, (logits, their row max): TritonBackend.head_logits)."""
+    def logits(self, h: lc.HiddenRows, rows: slice, cols=None, out=None, max_of=None):
+        """(R, P) fp32 logits of weight rows `rows` (cols: their WeightRows, made here if
+        None). A fused head runs its kernel where no residual takes part (with max_of,
+        (logits, their row max): TritonBackend.head_logits); else contract v2's correction
+        follows the exact integer GEMM (with max_of, (logits, None))."""
         bias = None if self.bias is None else self.bias[rows]
-        if self.fused:
+        if self.fused and h.a3 is not None and h.res is None and self.prepared.on_grid(rows):
             return self.backend.head_logits(
-                a, row_scale, self.c3[rows], self.col_scale[rows], bias, self.scale, out, max_of
+                h.a3, h.scale, self.c3[rows], self.col_scale[rows], bias, self.scale, out, max_of
             )
-        return lc.logits_block(
-            a, row_scale, c, self.col_scale[rows], bias, self.scale, self.backend.exact_dot, out
+        cols = self.quantized(rows) if cols is None else cols
+        out = lc.logits_rows(
+            h, cols, self.col_scale[rows], bias, self.scale, self.backend.exact_dot, out
         )
+        return out if max_of is None else (out, None)
 
 
 def _logits(hidden, w: _Weight, max_of=None):
-    """(R, V_local) fp32: contract exactlogp-linear-v1 for these rows. With max_of =
+    """(R, V_local) fp32: contract exactlogp-linear-v2 for these rows. With max_of =
     (temperature of these rows, real columns): (logits, Backend.row_max of them) on a fused
     head, whose kernel finds the max as it writes the logits; (logits, None) elsewhere."""
-    a, row_scale = w.hidden(hidden)
-    out = torch.empty(hidden.shape[0], w.weight.shape[0], dtype=torch.float32, device=a.device)
-    if w.fused:  # one kernel over the whole shard
-        return w.logits(a, row_scale, slice(0, w.weight.shape[0]), out=out, max_of=max_of)
-    for rows, c in w.blocks():
-        w.logits(a, row_scale, rows, c, out[:, rows])
+    h = w.hidden(hidden)
+    out = torch.empty(hidden.shape[0], w.weight.shape[0], dtype=torch.float32, device=hidden.device)
+    whole = slice(0, w.weight.shape[0])
+    if w.fused and h.a3 is not None and h.res is None and w.prepared.on_grid(whole):
+        return w.logits(h, whole, out=out, max_of=max_of)
+    for rows, cols in w.blocks():
+        w.logits(h, rows, cols, out[:, rows])
     return out if max_of is None else (out, None)
 
 
@@ -162,8 +167,8 @@ class LinearLogitsFunction(torch.autograd.Function):
             grads.weight_block(rows, g[:, rows])
             grads.track(rows, g[:, rows])
         big = grads.grid()
-        for rows, c in w.blocks(_grad_block(hidden.shape[0])):
-            grads.hidden_block(rows, c, g[:, rows], big)
+        for rows, cols in w.blocks(_grad_block(hidden.shape[0])):
+            grads.hidden_block(rows, cols.c, g[:, rows], big)
         return grads.hidden(big), grads.dw, grads.db, None, None, None
 
 
@@ -223,12 +228,12 @@ class LinearSelectedLogprobsFunction(torch.autograd.Function):
         call = ctx.call
         scale = call.linear.logit_scale
         w = _Weight(weight, bias, scale, call.backend, ctx.prepared)
-        a, row_scale = w.hidden(hidden)
+        h = w.hidden(hidden)
         grads = _Grads(hidden, w, ~stats.silent, ctx.needs_input_grad)
         block = _grad_block(hidden.shape[0])
         bound = ctx.bound if grads.needs_hidden else None
         keep = bound is None and grads.needs_hidden  # the forward saw them fit
-        dlogits = _DLogits(w, a, row_scale, target, tau, stats, call, keep, ctx.entries)
+        dlogits = _DLogits(w, h, target, tau, stats, call, keep, ctx.entries)
         if bound is None:  # pass 1: dW, db and the rows' largest terms
             for rows in w.slices(block):
                 g = dlogits(rows, None if w.fused else w.quantized(rows), first=True)
@@ -279,23 +284,23 @@ def _hidden_passes(grads, w, dlogits, block, bound, group=None, check=None) -> t
         if group is not None:  # the guess every rank makes: its largest terms, `check`
             grads.grid(group, check, top=grads.row_max)
         big = grads.grid(group)
-        for rows, c in w.blocks(block):  # pass 2
-            grads.hidden_block(rows, c, dlogits(rows, c), big)
+        for rows, cols in w.blocks(block):  # pass 2
+            grads.hidden_block(rows, cols.c, dlogits(rows, cols), big)
         return big
     guess = grads.grid(group, check, top=dlogits.predicted_top(bound))
-    for rows, c in w.blocks(block):  # the one pass
-        g = dlogits(rows, c)
+    for rows, cols in w.blocks(block):  # the one pass
+        g = dlogits(rows, cols)
         grads.weight_block(rows, g)
         grads.track(rows, g)
-        grads.hidden_block(rows, c, g, guess, guessed=True)
+        grads.hidden_block(rows, cols.c, g, guess, guessed=True)
     big = grads.grid(group)
     missed = torch.nonzero((big != guess) & ~grads.row_bad).squeeze(1)
     grads.missed = missed.numel()
     if grads.missed:
         grads.z[:, missed] = 0
         again = dlogits.rows(missed)
-        for rows, c in w.blocks(_grad_block(grads.missed)):
-            grads.hidden_block(rows, c, again(rows, c), big[missed], index=missed)
+        for rows, cols in w.blocks(_grad_block(grads.missed)):
+            grads.hidden_block(rows, cols.c, again(rows, cols), big[missed], index=missed)
     return big
 
 
@@ -355,18 +360,18 @@ class _DLogits:
     until the second pass reads them: the logits are then computed once in the backward
     instead of twice (GRAD_KEEP_BYTES bounds what is kept), and the values are the same."""
 
-    def __init__(self, w: _Weight, a, row_scale, target, tau, stats, call: Call, keep: bool,
-                 entries=None, index=None):  # fmt: skip
-        self.w, self.a, self.row_scale, self.target = w, a, row_scale, target
+    def __init__(self, w: _Weight, h: lc.HiddenRows, target, tau, stats, call: Call,
+                 keep: bool, entries=None, index=None):  # fmt: skip
+        self.w, self.h, self.target = w, h, target
         self.tau, self.stats, self.call = tau, stats, call
         self.kept: dict[int, torch.Tensor] | None = {} if keep else None
         # replay: the kept entries (replay.ShardEntries) and the call's rows these are
         self.entries, self.index = entries, index
 
-    def __call__(self, rows: slice, c=None, first: bool = False) -> torch.Tensor:
+    def __call__(self, rows: slice, cols=None, first: bool = False) -> torch.Tensor:
         g = None if self.kept is None else self.kept.pop(rows.start, None)
         if g is None:
-            z = self.w.logits(self.a, self.row_scale, rows, c)
+            z = self.w.logits(self.h, rows, cols)
             plan = replace(self.call.plan, vocab_start=self.call.plan.vocab_start + rows.start)
             mask = None
             if self.entries is not None:
@@ -383,7 +388,7 @@ class _DLogits:
     def rows(self, index: torch.Tensor) -> _DLogits:
         """The same for the rows `index` (M,) alone."""
         stats = contract.GradStats(*(t[index] for t in self.stats))
-        return _DLogits(self.w, self.a[index], self.row_scale[index], self.target[index],
+        return _DLogits(self.w, self.h.take(index), self.target[index],
                         self.tau.take(index), stats, self.call, False, self.entries,
                         index)  # fmt: skip
 
@@ -628,7 +633,7 @@ def linear_logits(
     logit_scale: float = 1.0,
     backend: str | Backend = "auto",
 ) -> torch.Tensor:
-    """The logits of contract exactlogp-linear-v1: (..., V_local) fp32, exact dot products
+    """The logits of contract exactlogp-linear-v2: (..., V_local) fp32, exact dot products
     of hidden (..., H) and weight (V_local, H) rounded once, + bias, * logit_scale.
 
     The same bits for any batch, row order, vocab shard and backend. Differentiable w.r.t.

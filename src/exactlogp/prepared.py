@@ -39,7 +39,7 @@ class PreparedLMHead:
         self.f, self.finite = lc.row_exponents(w)
         self.col_scale = lc.unit_scales(self.f, self.finite)
         self.version = w._version
-        self._c3 = None
+        self._c3 = self._grid = None
         if self.backend.fused_head(w.device):
             self.c3(self.backend)
         return self
@@ -51,6 +51,13 @@ class PreparedLMHead:
         if self._c3 is None:
             self._c3 = backend.head_slices(self.weight, self.f, self.finite, reverse=False)
         return self._c3
+
+    def on_grid(self, rows: slice) -> bool:
+        """Whether every element of these weight rows is on L2's grid (no residual: the
+        fused kernel's logits are contract v2's there); found once per refresh."""
+        if self._grid is None:
+            self._grid = lc.on_grid(self.weight, self.f, self.finite)
+        return bool(self._grid[rows].all())
 
     def check(self) -> None:
         if self.weight._version != self.version:

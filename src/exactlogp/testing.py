@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import math
 import random
 from typing import NamedTuple
 
@@ -65,14 +66,17 @@ def lm_head_inputs(
     dtype: torch.dtype = torch.bfloat16,
     seed: int = 0,
     logit_std: float = 3.0,
+    outlier: float = 8.0,
+    outlier_channels: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(hidden (N, H), weight (V, H), target (N,)) shaped like an LM head's at work.
 
     Hidden rows are RMS-normed (times a norm weight around 1, with a few large channels,
-    as trained models have); weight rows are Gaussian, scaled so that the logits spread
-    with std ~logit_std. A third of the rows point at one weight row (confident rows,
-    their top logit far above the rest), a few are flat (small logits). Targets are drawn
-    from the rows' fp64 softmax, as a rollout draws them.
+    as trained models have: `outlier_channels` of them, H // 64 by default, `outlier`
+    times the rest); weight rows are Gaussian, scaled so that the logits spread with std
+    ~logit_std. A third of the rows point at one weight row (confident rows, their top
+    logit far above the rest), a few are flat (small logits). Targets are drawn from the
+    rows' fp64 softmax, as a rollout draws them.
     """
     gen = torch.Generator().manual_seed(seed)
     h = torch.randn(num_rows, hidden, generator=gen)
@@ -83,13 +87,48 @@ def lm_head_inputs(
     flat = torch.arange(num_rows) % 7 == 5
     h = torch.where(flat.unsqueeze(-1), 0.05 * h, h)
     gamma = 1.0 + 0.1 * torch.randn(hidden, generator=gen)
-    gamma[torch.randint(0, hidden, (max(1, hidden // 64),), generator=gen)] *= 8.0
+    channels = max(1, hidden // 64) if outlier_channels is None else outlier_channels
+    gamma[torch.randint(0, hidden, (channels,), generator=gen)] *= outlier
     rms = h.pow(2).mean(-1, keepdim=True).add(1e-6).rsqrt()
     h = torch.where(flat.unsqueeze(-1), h, h * rms) * gamma
     h, w = h.to(dtype), w.to(dtype)
     logits = h.double() @ w.double().T
     target = torch.multinomial(torch.softmax(logits, -1), 1, generator=gen).squeeze(-1)
     return h, w, target
+
+
+def exact_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """(N, V) fp32: fl32(sum_k hidden[n, k] weight[v, k]) correctly rounded (ties to even; a
+    nonzero sum rounds to a zero of its sign, an exact zero is +0; overflow is inf) -- the
+    definition of contract exactlogp-linear-v2's logits, by Python integer arithmetic and
+    independent of exactlogp's code. For tests: H N V Python multiplications. Every finite
+    bf16 / fp16 / fp32 value is an integer times 2^-149, so each dot product is one Python
+    integer times 2^-298."""
+
+    def ints(x: torch.Tensor):
+        return [[int(v * 2.0**149) for v in row] for row in x.double().tolist()]
+
+    hs, ws = ints(hidden), ints(weight)
+    out = [[_round_fp32(sum(a * b for a, b in zip(hr, wr, strict=True)), -298) for wr in ws]
+           for hr in hs]  # fmt: skip
+    return torch.tensor(out, dtype=torch.float32).reshape(len(hs), len(ws))
+
+
+def _round_fp32(m: int, exp: int) -> float:
+    """The fp32 nearest to m 2^exp (ties to even), as a Python float."""
+    if m == 0:
+        return 0.0
+    sign, m = (-1.0 if m < 0 else 1.0), abs(m)
+    q = max(m.bit_length() + exp - 24, -149)  # the exponent of an fp32 ulp there
+    shift = q - exp
+    if shift > 0:
+        n, rem, half = m >> shift, m & ((1 << shift) - 1), 1 << (shift - 1)
+        n += rem > half or (rem == half and n & 1)
+    else:
+        n = m << -shift
+    if n and n.bit_length() + q > 128:  # n 2^q >= 2^128: past fp32's largest
+        return sign * float("inf")
+    return sign * math.ldexp(n, q)
 
 
 def heavy_tailed_logits(

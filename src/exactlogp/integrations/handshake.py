@@ -17,6 +17,16 @@ import exactlogp
 
 FINGERPRINT_KEY = "exactlogp_contract"
 
+# logits contracts this exactlogp replaced, and what changed
+LOGITS_CONTRACT_CHANGES = {
+    "exactlogp-linear-v1": (
+        "exactlogp-linear-v1 rounded every hidden and weight element to a 20-bit grid of "
+        "its row's largest before the exact sum, so its logits were not the true dot "
+        "products rounded once where a row held outlier channels or fp32 inputs; "
+        "exactlogp-linear-v2's are, for every input."
+    ),
+}
+
 
 def contract_fingerprint() -> str:
     """'<logprob contract>+logits:<linear-logits contract>' of this exactlogp."""
@@ -39,6 +49,14 @@ def check_fingerprint(meta: Mapping | str | None, *, what: str = "the rollout's 
             f"{what} carry no exactlogp contract fingerprint ({FINGERPRINT_KEY}): they may "
             f"not be exactlogp's; stamp them on the rollout side with "
             f"exactlogp.integrations.handshake.stamp(meta) (this trainer runs {ours})"
+        )
+    old = [c for c in LOGITS_CONTRACT_CHANGES if f"logits:{c}" in str(theirs)]
+    if old:
+        raise ValueError(
+            f"{what} were computed under {theirs!r}, this trainer runs {ours!r}: "
+            f"{LOGITS_CONTRACT_CHANGES[old[0]]} Their logits (and logprobs) differ in the "
+            "last bits wherever that happened; recompute the rollout with this exactlogp "
+            "(pin the same exactlogp version on both sides)"
         )
     if theirs != ours:
         raise ValueError(

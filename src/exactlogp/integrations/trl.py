@@ -347,7 +347,7 @@ def processed_head_logprobs(
     """The fused head's processed logprobs: (log_probs, entropy or None, dropped), each (N,).
 
     The cut needs the logits of a whole row, so the head computes them with
-    `exactlogp.linear_logits` (contract exactlogp-linear-v1) in blocks of rows and takes
+    `exactlogp.linear_logits` (contract exactlogp-linear-v2) in blocks of rows and takes
     `exactlogp.processed_logprobs` of each block at `temperature`; under autograd each
     block is checkpointed (its logits recomputed in the backward), so one block's logits
     are held at a time. With no cut the log_probs equal `chunked_logprobs`' bit for bit.

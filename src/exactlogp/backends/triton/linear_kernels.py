@@ -1,4 +1,4 @@
-"""The exact integer GEMM of contract exactlogp-linear-v1 (L3) in Triton, on int8 slices.
+"""The exact integer GEMM of contracts exactlogp-linear-v1 and -v2 (L3) in Triton, on int8 slices.
 
 Every operand of L3 is an integer with |x| <= 2^20. Written in balanced base 128,
 x = x2 2^14 + x1 2^7 + x0 with x0, x1 in [-64, 63] and x2 in [-64, 64], each slice fits an

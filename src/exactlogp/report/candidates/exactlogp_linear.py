@@ -1,7 +1,7 @@
 """exactlogp_linear: `exactlogp.linear_selected_logprobs`, the exact fused LM head, on this
 rank's LM-head rows (hidden-state workload), one row per backend.
 
-The logits are exact integer dot products rounded once (contract exactlogp-linear-v1),
+The logits are exact integer dot products rounded once (contract exactlogp-linear-v2),
 then the softmax contract: no float is summed across ranks and no (N, V) logits tensor
 is kept. The row called "exactlogp_linear" uses backend="auto"; "exactlogp_linear[NAME]"
 rows pin one other available backend, so the report also shows that backends agree bit
