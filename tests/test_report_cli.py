@@ -160,3 +160,23 @@ def test_quick_preset_has_the_processed_logprobs_table(quick_report):
     trl = p["rows"]["trl_unnormalised"]
     assert trl["mean_abs_log_ratio_vs_fp64"] > 100 * ours["mean_abs_log_ratio_vs_fp64"]
     assert "## Processed logprobs: 48 x 2048 bf16" in out.with_suffix(".md").read_text()
+
+
+def test_the_hidden_state_workload_takes_outlier_channels():
+    """`--hidden-outlier 100`: two hidden-state channels 100x the rest (the rows where
+    contract v1's logits were not exact), in the workload and its description."""
+    import torch
+
+    from exactlogp.report import runner, workload
+
+    args = cli.build_parser().parse_args(["report", "--hidden-outlier", "100"])
+    assert args.hidden_outlier == 100.0
+    spec = workload.HiddenWorkload(8, 256, 64, "bf16", 0, args.hidden_outlier)
+    hidden, _, _ = workload.generate_hidden(spec)
+    col = hidden.float().abs().amax(0)
+    assert (col > 30 * col.median()).sum() == 2
+    assert "two channels 100x the rest" in spec.describe()["distribution"]
+    with pytest.raises(ValueError, match="hidden_outlier must be a finite number >= 0"):
+        runner._check_options(runner.ReportOptions(hidden_outlier=-1.0))
+    assert torch.equal(workload.generate_hidden(workload.HiddenWorkload(8, 256, 64, "bf16"))[0],
+                       workload.generate_hidden(workload.HiddenWorkload(8, 256, 64, "bf16", 0, 0.0))[0])  # fmt: skip

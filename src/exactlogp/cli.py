@@ -53,6 +53,13 @@ def build_parser() -> argparse.ArgumentParser:
         dest="hidden_size",
         help=f"H of the hidden-state workload; Qwen3-Next's is 2048 (default {d.hidden_size})",
     )
+    opt(
+        "--hidden-outlier",
+        type=float,
+        dest="hidden_outlier",
+        help="two hidden-state channels this many times the rest, e.g. 100 (default: "
+        "H // 64 channels 8x the rest)",
+    )
     opt("--tp", type=_int_list, help=f"TP degrees, e.g. 1,4 (default {','.join(map(str, d.tp))})")
     opt("--repeats", type=int, help=f"timed runs, also the repeats compared (default {d.repeats})")
     opt("--dtype", choices=("bf16", "fp16", "fp32"), help=f"logits dtype (default {d.dtype})")

@@ -18,9 +18,12 @@ D names no method; this is how every backend computes it:
   L3. Z[n, v] = sum_k A[n, k] C[v, k]: an exact integer -- any order, tiling or device
   L4. where neither row has a residual, z = fl32(Z 2^(e_n + f_v - 2 QBITS)) is D itself;
       else the correction E = sum_k (h' c' + a' C) (h' = h 2^(QBITS - e)) is summed in
-      binary64 with an error bound, and where (Z + E) 2^(e_n + f_v - 2 QBITS) is provably
-      inside one fp32 rounding interval its rounding is D; the rest (ties, cancellation,
-      overflow: rare) are summed exactly (exact_round: integer limbs of every product)
+      binary64 -- exact where a certificate says so (bf16 / fp16 rows: nearly always),
+      else with an error bound: where (Z + E) 2^(e_n + f_v - 2 QBITS) is provably inside
+      one fp32 rounding interval its rounding is D; the rest (undecidable ties,
+      cancellation, overflow: rare) are summed exactly (exact_round: integer limbs of every
+      product). Outlier columns (massive activations) get the whole row's exponent and the
+      rest of the row its own (block exponents along K), so they leave it on its grid.
 
 The softmax contract (exactlogp.contract) then takes y = z / temperature. Backward uses
 the integers of L2 (section "backward" below): the weight and bias gradients are exact

@@ -18,6 +18,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import shlex
 import sys
@@ -59,6 +60,10 @@ class ReportOptions:
     # exact LM head's CPU time grows with tokens x vocab.
     hidden_tokens: int = 128
     hidden_size: int = 256
+    # > 0: two channels of the hidden states this many times the rest (LLM hidden states'
+    # massive activations: the rows where contract v1's logits were not exact); 0: H // 64
+    # channels 8x the rest
+    hidden_outlier: float = 0.0
     tp: tuple[int, ...] = (1, 4)
     repeats: int = 10
     dtype: str = "bf16"
@@ -200,6 +205,9 @@ def _check_options(opts: ReportOptions) -> None:
         value = getattr(opts, name)
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
+    out = opts.hidden_outlier
+    if not isinstance(out, (int, float)) or not math.isfinite(out) or out < 0:
+        raise ValueError(f"hidden_outlier must be a finite number >= 0, got {out!r}")
     if not isinstance(opts.processed_tokens, int) or opts.processed_tokens < 0:
         raise ValueError(
             f"processed_tokens must be an int >= 0 (0: no table), got {opts.processed_tokens!r}"

@@ -69,8 +69,9 @@ class Session:
         if "hidden_states" not in self.kinds.values():
             return
         spec = workload.HiddenWorkload(
-            opts.hidden_tokens, opts.hidden_size, opts.vocab, opts.dtype, opts.seed
-        )
+            opts.hidden_tokens, opts.hidden_size, opts.vocab, opts.dtype, opts.seed,
+            opts.hidden_outlier,
+        )  # fmt: skip
         task = display.start(
             f"shared hidden states {spec.tokens} x {spec.hidden}, head {spec.vocab} x "
             f"{spec.hidden} {opts.dtype}",

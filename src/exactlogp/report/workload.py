@@ -63,14 +63,19 @@ class HiddenWorkload:
     vocab: int
     dtype: str
     seed: int = 0
+    outlier: float = 0.0  # > 0: two channels this many times the rest; 0: H // 64 at 8x
 
     def describe(self) -> dict:
+        channels = (
+            "H // 64 channels 8x the rest" if not self.outlier
+            else f"two channels {self.outlier:g}x the rest"
+        )  # fmt: skip
         return {
             "generator": "exactlogp.testing.lm_head_inputs",
             "seed": self.seed,
             "distribution": (
                 f"hidden states ({self.tokens}, {self.hidden}): RMS-normed rows times a norm "
-                "weight around 1 with a few large channels, a third of them confident (their "
+                f"weight around 1 with {channels}, a third of them confident (their "
                 "top logit far above the rest), some flat; LM-head weight "
                 f"({self.vocab}, {self.hidden}) Gaussian, logits std ~3; both rounded to "
                 f"{self.dtype}; targets sampled from the fp64 softmax of their logits"
@@ -100,12 +105,16 @@ def generate_hidden(
     workload: HiddenWorkload,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(hidden (tokens, H), weight (vocab, H), both in the workload dtype, target (tokens,))."""
+    more = {}
+    if workload.outlier:
+        more = dict(outlier=float(workload.outlier), outlier_channels=2)
     return lm_head_inputs(
         workload.tokens,
         workload.hidden,
         workload.vocab,
         dtype=DTYPES[workload.dtype],
         seed=workload.seed,
+        **more,
     )
 
 
