@@ -425,7 +425,8 @@ def hidden_rows(x: torch.Tensor, a3: torch.Tensor | None = None) -> HiddenRows:
     if out is None:
         q, scaled = split(x, e, finite)
         res, l1, fine = _residual(scaled - q, bits)
-        coarse = grain(scaled, bits) if res is not None else fine
+        # without a residual h' is an integer: a multiple of 2^0 (its grain is at least 0)
+        coarse = grain(scaled, bits) if res is not None else torch.zeros_like(fine)
         top = torch.full_like(l1, float(1 << QBITS))
         return HiddenRows(q, a3, unit_scales(e - 2 * QBITS, finite), x, scaled, res, l1,
                           coarse, fine, top)  # fmt: skip
