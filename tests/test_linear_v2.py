@@ -3,7 +3,7 @@
 Checked against exactlogp.testing.exact_logits (Python integers, independent of the code)
 on the inputs where contract v1 was not exact -- outlier channels, fp32, wide exponent
 ranges, ties, cancellation, subnormals, overflow -- on every CPU backend and on each of
-the correction's paths (sparse / dense, gathered / transposed, the exactness certificate,
+the correction's paths (sparse / dense, the exactness certificate,
 the binary64 bound, the exact limb sum). Triton's routes: tests/test_linear_triton.py.
 """
 
@@ -123,12 +123,8 @@ def test_exact_round_is_the_definition_on_long_and_carrying_sums():
 def _paths(monkeypatch, path):
     if path == "dense":
         monkeypatch.setattr(lc, "SPARSE_BELOW", 0.0)
-    elif path == "sparse_transposed":
+    elif path == "sparse":
         monkeypatch.setattr(lc, "SPARSE_BELOW", 2.0)
-        monkeypatch.setattr(lc, "GATHER_BELOW", 0.0)
-    elif path == "sparse_gathered":
-        monkeypatch.setattr(lc, "SPARSE_BELOW", 2.0)
-        monkeypatch.setattr(lc, "GATHER_BELOW", 1e9)
     elif path == "bound":  # no certificate: every corrected logit through the bound's test
         real = lc.correction
 
@@ -149,9 +145,7 @@ def _paths(monkeypatch, path):
         monkeypatch.setattr(lc, "round_corrected", undecided)
 
 
-@pytest.mark.parametrize(
-    "path", ["dense", "sparse_transposed", "sparse_gathered", "bound", "exact_sum"]
-)
+@pytest.mark.parametrize("path", ["dense", "sparse", "bound", "exact_sum"])
 def test_every_path_of_the_correction_gives_the_same_bits(monkeypatch, path):
     cases = [_outliers(5, 128, 30, dt, m) for dt in DTYPES for m in (1.0, 1000.0)]
     cases += [_hard_rows(dt, 7) for dt in DTYPES]

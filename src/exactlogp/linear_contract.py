@@ -41,9 +41,7 @@ import torch
 
 from . import contract
 
-LOGITS_CONTRACT = "exactlogp-linear-v2"
-# the previous contract: its logits rounded every element to L2's grid first (not D)
-OLD_LOGITS_CONTRACTS = ("exactlogp-linear-v1",)
+LOGITS_CONTRACT = "exactlogp-linear-v2"  # v1: integrations/handshake.py says what changed
 
 QBITS = 20  # bits of each quantized operand: |A|, |C| <= 2^20
 # fp64 holds every integer up to 2^53 exactly; a product is <= 2^(2 QBITS) = 2^40, so any
@@ -515,22 +513,10 @@ def correction(rows: HiddenRows, cols: WeightRows):
     return e, torch.where(inexact, mass * gamma, 0.0)
 
 
-GATHER_BELOW = 1 / 4  # a sparse residual with fewer entries than this times H gathers c
-
-
 def _times_weight(res: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-    """res @ c^T (R, P) for a residual res (R, H) and weight integers c (P, H): few
-    entries gather their columns of c (no copy of c), more go through c^T once."""
-    if res.layout != torch.sparse_csr:
-        return res @ c.t()
-    vals = res.values()
-    if vals.numel() >= GATHER_BELOW * res.shape[1] or c.t().is_contiguous():
-        return res @ c.t().contiguous()  # (a no-op for weight_rows' c)
-    crow = res.crow_indices()
-    row = torch.repeat_interleave(torch.arange(res.shape[0], device=c.device), crow.diff())
-    terms = c[:, res.col_indices()].t() * vals.unsqueeze(-1)  # (nnz, P), exact products
-    out = torch.zeros(res.shape[0], c.shape[0], dtype=torch.float64, device=c.device)
-    return out.index_add_(0, row, terms)
+    """res @ c^T (R, P) for a residual res (R, H), dense or sparse CSR, and weight integers
+    c (P, H) (weight_rows' c is a view of the contiguous c^T the sparse product reads)."""
+    return res @ (c.t() if res.layout != torch.sparse_csr else c.t().contiguous())
 
 
 def round_corrected(z, e, bound, row_scale, col_scale, z_out=None, shift=None):
