@@ -124,12 +124,12 @@ def test_fused_head_gives_the_reference_bits_forward_and_backward(gemm, keep_byt
 @pytest.mark.parametrize("gemm", ["int8", "fp64", "int8_mm", "int8_fused"])
 @pytest.mark.parametrize("dtype,outlier", [(torch.bfloat16, 1000.0), (torch.float32, 8.0)])
 def test_every_route_gives_contract_v2s_logits(gemm, dtype, outlier):
-    """Contract exactlogp-linear-v2 on each exact-GEMM route: bf16 rows with two channels
-    1000x the rest, and fp32 inputs -- where v1's 20-bit grid was not exact -- against the
-    Python-integer definition."""
+    """Contract exactlogp-linear-v2 on each exact-GEMM route at H = 4096: bf16 rows with two
+    channels 1000x the rest, and fp32 inputs -- where v1's 20-bit grid was not exact --
+    against the Python-integer definition."""
     from exactlogp.testing import exact_logits
 
-    h, w, _ = lm_head_inputs(5, 96, 33, dtype, seed=8, outlier=outlier, outlier_channels=2)
+    h, w, _ = lm_head_inputs(3, 4096, 7, dtype, seed=8, outlier=outlier, outlier_channels=2)
     z = exactlogp.linear_logits(h.to(DEVICE), w.to(DEVICE), backend=TritonBackend(exact_gemm=gemm))
     assert_bitwise_equal(z.cpu(), exact_logits(h, w))
 
