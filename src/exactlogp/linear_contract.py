@@ -317,21 +317,27 @@ def _residual(res: torch.Tensor, bits: int):
     """(the residual res (R, K) as the correction multiplies it -- dense, or sparse CSR
     where it is sparse -- or None where all are 0; its per-row L1 norm (fp64) and grain)."""
     l1 = torch.zeros(res.shape[0], dtype=torch.float64, device=res.device)
-    nnz = int(torch.count_nonzero(res))
+    none = torch.full_like(l1, NO_GRAIN, dtype=torch.int64)
+    at = None
+    if bits <= 16:  # bf16 / fp16: residuals are rare, their positions found in one pass
+        at = torch.nonzero(res if res.is_contiguous() else res.t())
+        nnz = at.shape[0]
+    else:  # fp32: residuals nearly everywhere, only counted
+        nnz = int(torch.count_nonzero(res))
     if nnz == 0:
-        return None, l1, torch.full_like(l1, NO_GRAIN, dtype=torch.int64)
+        return None, l1, none
     if nnz >= SPARSE_BELOW * res.numel():  # dense (fp32 inputs): no certificate sought
         return res, res.abs().sum(-1), torch.full_like(l1, -NO_GRAIN, dtype=torch.int64)
-    if res.is_contiguous():
-        at = torch.nonzero(res)  # sorted by row
-    else:  # the transpose of a contiguous (K, R) tensor: its own order, sorted by row here
-        at = torch.nonzero(res.t()).flip(1)
+    if at is None:
+        at = torch.nonzero(res if res.is_contiguous() else res.t())
+    if not res.is_contiguous():  # the transpose of a contiguous (K, R): sorted by row here
+        at = at.flip(1)
         at = at[torch.argsort(at[:, 0] * res.shape[1] + at[:, 1])]
     row, col = at[:, 0], at[:, 1]
     vals = res[row, col]
     _, ex = torch.frexp(vals)
     l1.index_add_(0, row, vals.abs())
-    fine = torch.full_like(l1, NO_GRAIN, dtype=torch.int64)
+    fine = none
     fine = fine.scatter_reduce_(0, row, ex.to(torch.int64) - bits, "amin")
     crow = torch.zeros(res.shape[0] + 1, dtype=torch.int64, device=res.device)
     crow[1:] = torch.cumsum(torch.bincount(row, minlength=res.shape[0]), 0)
@@ -472,7 +478,11 @@ class WeightRows(NamedTuple):
 
 def weight_rows(w: torch.Tensor, f: torch.Tensor, finite: torch.Tensor) -> WeightRows:
     """WeightRows of weight rows w (P, H) with L1's exponents f, finite (P,)."""
-    q, scaled = split(w.t().contiguous(), f, finite, dim=0)  # (H, P): a copy of w's dtype
+    scaled = torch.empty(w.shape[1], w.shape[0], dtype=torch.float64, device=w.device)
+    scaled.copy_(w.t()).mul_(contract.pow2(QBITS - f))  # W'^T (H, P): one pass, exact
+    if not bool(finite.all()):
+        scaled = torch.where(finite, scaled, 0.0)
+    q = torch.round(scaled)
     res, l1, fine = _residual(scaled.sub_(q).t(), significand_bits(w.dtype))
     return WeightRows(q.t(), w, res, l1, fine)
 
