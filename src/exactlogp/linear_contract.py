@@ -410,13 +410,16 @@ MAX_SHIFT = 15  # |Z| <= (H - 64) 2^40 + 64 2^(40 + 15) < 2^63 for every H <= MA
 
 def outlier_columns(x: torch.Tensor) -> torch.Tensor | None:
     """The columns of x (R, H) where some row holds an element OUTLIER_RMS times its RMS
-    (LLM hidden states' massive-activation channels), or None if there are none or more
-    than MAX_OUTLIERS. A choice of method only: any choice gives the same logits."""
+    (half sqrt(H) times on rows shorter than 1024) -- LLM hidden states' massive-activation
+    channels -- or None if there are none or more than MAX_OUTLIERS. A choice of method
+    only: any choice gives the same logits."""
     if x.shape[0] == 0 or x.shape[1] == 0:
         return None
     xf = x.float().abs()
     rms = xf.square().mean(-1, keepdim=True).sqrt()
-    cols = torch.nonzero((xf >= OUTLIER_RMS * rms).any(0)).squeeze(1)
+    # no element passes sqrt(H) times the RMS: short rows get half that
+    ratio = min(OUTLIER_RMS, 0.5 * x.shape[1] ** 0.5)
+    cols = torch.nonzero((xf >= ratio * rms).any(0)).squeeze(1)
     return cols if 0 < cols.numel() <= MAX_OUTLIERS else None
 
 
@@ -425,10 +428,10 @@ def hidden_rows(x: torch.Tensor, a3: torch.Tensor | None = None) -> HiddenRows:
     of the same rows, kept where no column is split off."""
     e, finite = row_exponents(x)
     bits = significand_bits(x.dtype)
-    out = outlier_columns(x)
+    q, scaled = split(x, e, finite)
+    res, l1, fine = _residual(scaled - q, bits)
+    out = None if res is None else outlier_columns(x)  # on the grid: nothing to split off
     if out is None:
-        q, scaled = split(x, e, finite)
-        res, l1, fine = _residual(scaled - q, bits)
         # without a residual h' is an integer: a multiple of 2^0 (its grain is at least 0)
         coarse = grain(scaled, bits) if res is not None else torch.zeros_like(fine)
         top = torch.full_like(l1, float(1 << QBITS))
