@@ -76,11 +76,7 @@ def quantize(x: torch.Tensor, exps: torch.Tensor, finite: torch.Tensor, dim: int
     """rint_even(x 2^(QBITS - e)) as integer-valued fp64, e (and finite) along `dim`'s
     other axis: per row for dim=-1, per column for dim=0. Non-finite rows are 0 (the NaN
     scales of unit_scales mark their outputs)."""
-    scale = contract.pow2(QBITS - exps)
-    if dim == -1:
-        scale, finite = scale.unsqueeze(-1), finite.unsqueeze(-1)
-    q = torch.round(x.to(torch.float64) * scale)  # exact product; ties to even; <= 2^20
-    return torch.where(finite, q, 0.0)
+    return split(x, exps, finite, dim)[0]
 
 
 def unit_scales(exps: torch.Tensor, finite: torch.Tensor) -> torch.Tensor:
@@ -295,10 +291,10 @@ def split(x: torch.Tensor, exps: torch.Tensor, finite: torch.Tensor, dim: int = 
     scale = contract.pow2(QBITS - exps)
     if dim == -1:
         scale, finite = scale.unsqueeze(-1), finite.unsqueeze(-1)
-    scaled = x.to(torch.float64) * scale  # exact
+    scaled = x.to(torch.float64) * scale  # exact product
     if not bool(finite.all()):
         scaled = torch.where(finite, scaled, 0.0)
-    return torch.round(scaled), scaled
+    return torch.round(scaled), scaled  # ties to even; |q| <= 2^20
 
 
 NO_GRAIN = 1 << 20  # the grain of a row with no element to take part
