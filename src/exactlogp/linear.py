@@ -114,13 +114,19 @@ class _Weight:
             a3 = self.backend.head_slices(hidden, e, finite, reverse=True)
         return lc.hidden_rows(hidden, a3)
 
+    def kernel_takes(self, h: lc.HiddenRows, rows: slice) -> bool:
+        """Whether the fused kernel computes these logits: a fused head, and no residual in
+        the hidden rows (none split off) or these weight rows -- where L4 of v1's integers is
+        contract v2's value."""
+        return self.fused and h.a3 is not None and h.res is None and self.prepared.on_grid(rows)
+
     def logits(self, h: lc.HiddenRows, rows: slice, cols=None, out=None, max_of=None):
         """(R, P) fp32 logits of weight rows `rows` (cols: their WeightRows, made here if
         None). A fused head runs its kernel where no residual takes part (with max_of,
         (logits, their row max): TritonBackend.head_logits); else contract v2's correction
         follows the exact integer GEMM (with max_of, (logits, None))."""
         bias = None if self.bias is None else self.bias[rows]
-        if self.fused and h.a3 is not None and h.res is None and self.prepared.on_grid(rows):
+        if self.kernel_takes(h, rows):
             return self.backend.head_logits(
                 h.a3, h.scale, self.c3[rows], self.col_scale[rows], bias, self.scale, out, max_of
             )
@@ -138,7 +144,7 @@ def _logits(hidden, w: _Weight, max_of=None):
     h = w.hidden(hidden)
     out = torch.empty(hidden.shape[0], w.weight.shape[0], dtype=torch.float32, device=hidden.device)
     whole = slice(0, w.weight.shape[0])
-    if w.fused and h.a3 is not None and h.res is None and w.prepared.on_grid(whole):
+    if w.kernel_takes(h, whole):  # one kernel over the whole shard
         return w.logits(h, whole, out=out, max_of=max_of)
     for rows, cols in w.blocks():
         w.logits(h, rows, cols, out[:, rows])
