@@ -35,7 +35,6 @@ docs/numerics.md section 12 pins all of it.
 from __future__ import annotations
 
 import warnings
-from typing import NamedTuple
 
 import torch
 
@@ -291,9 +290,7 @@ def split(x: torch.Tensor, exps: torch.Tensor, finite: torch.Tensor, dim: int = 
     scale = contract.pow2(QBITS - exps)
     if dim == -1:
         scale, finite = scale.unsqueeze(-1), finite.unsqueeze(-1)
-    scaled = x.to(torch.float64) * scale  # exact product
-    if not bool(finite.all()):
-        scaled = torch.where(finite, scaled, 0.0)
+    scaled = torch.where(finite, x.to(torch.float64) * scale, 0.0)  # exact product
     return torch.round(scaled), scaled  # ties to even; |q| <= 2^20
 
 
@@ -462,28 +459,42 @@ def on_grid(x: torch.Tensor, exps: torch.Tensor, finite: torch.Tensor) -> torch.
     return out
 
 
-class WeightRows(NamedTuple):
+class WeightRows:
     """A block of weight rows: `c` (P, H) fp64 integers (a view of their (H, P) contiguous
     transpose, which the hidden residual's sparse product reads), `values` (P, H) as
-    given, `res` c' ((P, H) dense or sparse CSR, None where all 0), `l1` (P,) and
-    `res_grain` (P,) of c'."""
+    given; and, found on first use (the backward's hidden gradient reads only `c`), `res`
+    c' ((P, H) dense or sparse CSR, None where all 0), `l1` (P,) and `res_grain` (P,)."""
 
-    c: torch.Tensor
-    values: torch.Tensor
-    res: torch.Tensor | None
-    l1: torch.Tensor
-    res_grain: torch.Tensor
+    def __init__(self, c: torch.Tensor, values: torch.Tensor, residual: torch.Tensor):
+        self.c, self.values = c, values
+        self._residual, self._found = residual, None  # c' (P, H), a view of (H, P)
+
+    def _parts(self):
+        if self._found is None:
+            self._found = _residual(self._residual, significand_bits(self.values.dtype))
+            self._residual = None
+        return self._found
+
+    @property
+    def res(self) -> torch.Tensor | None:
+        return self._parts()[0]
+
+    @property
+    def l1(self) -> torch.Tensor:
+        return self._parts()[1]
+
+    @property
+    def res_grain(self) -> torch.Tensor:
+        return self._parts()[2]
 
 
 def weight_rows(w: torch.Tensor, f: torch.Tensor, finite: torch.Tensor) -> WeightRows:
     """WeightRows of weight rows w (P, H) with L1's exponents f, finite (P,)."""
     scaled = torch.empty(w.shape[1], w.shape[0], dtype=torch.float64, device=w.device)
     scaled.copy_(w.t()).mul_(contract.pow2(QBITS - f))  # W'^T (H, P): one pass, exact
-    if not bool(finite.all()):
-        scaled = torch.where(finite, scaled, 0.0)
+    scaled = torch.where(finite, scaled, 0.0)
     q = torch.round(scaled)
-    res, l1, fine = _residual(scaled.sub_(q).t(), significand_bits(w.dtype))
-    return WeightRows(q.t(), w, res, l1, fine)
+    return WeightRows(q.t(), w, scaled.sub_(q).t())
 
 
 def correction(rows: HiddenRows, cols: WeightRows):
